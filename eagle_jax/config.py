@@ -1,0 +1,211 @@
+"""Frozen, hashable model configs built from Hugging Face `config.json` dictionaries.
+
+Every config feature the code does not implement raises `EagleError` naming the field,
+so an unsupported checkpoint never turns into a silently wrong model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from eagle_jax.errors import EagleError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters (HF `rope_scaling` / `rope_parameters`)."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+    max_position_embeddings: int = 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    """A decoder-only target transformer (Llama, Mistral, Mixtral, Qwen2, Qwen3)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    num_experts: int = 0
+    experts_per_token: int = 0
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @property
+    def eagle3_layers(self) -> tuple[int, int, int]:
+        """Indices of the decoder layers whose *inputs* are the EAGLE-3 features."""
+        return default_eagle3_layers(self.num_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+def default_eagle3_layers(num_layers: int) -> tuple[int, int, int]:
+    """Upstream rule: inputs of decoder layers 2, L//2 and L-3 (distinct for L >= 7)."""
+    layers = (2, num_layers // 2, num_layers - 3)
+    if len(set(layers)) != 3 or min(layers) < 0:
+        raise EagleError(
+            f"num_hidden_layers={num_layers}: the EAGLE-3 layer rule (2, L//2, L-3) needs three distinct "
+            "layers; use a target with at least 7 layers"
+        )
+    return layers
+
+
+def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default)
+    return default if value is None else value
+
+
+def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
+    """Parse the rope settings of both HF layouts (`rope_theta`+`rope_scaling` and v5 `rope_parameters`)."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = dict(cfg.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise EagleError(
+            f"rope_scaling.rope_type={rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+        )
+    for key in ("attention_factor", "beta_fast", "beta_slow", "mrope_section"):
+        if merged.get(key) is not None:
+            raise EagleError(f"rope_scaling.{key} is not supported by rope_type {rope_type!r}")
+    max_pos = int(_get(cfg, "max_position_embeddings", 2048))
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            merged.get("original_max_position_embeddings", max_pos)
+        ),
+        max_position_embeddings=max_pos,
+    )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def target_config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> TargetConfig:
+    """Build a `TargetConfig` from an HF config dict, refusing what is not implemented."""
+    archs = cfg.get("architectures") or []
+    family = None
+    for arch in archs:
+        family = SUPPORTED_ARCHITECTURES.get(arch)
+        if family:
+            break
+    if family is None:
+        family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}.get(cfg.get("model_type", ""))
+    if family is None:
+        raise EagleError(
+            f"architectures={archs or cfg.get('model_type')!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    if _get(cfg, "hidden_act", "silu") != "silu":
+        raise EagleError(f"hidden_act={cfg['hidden_act']!r} is not supported (only 'silu')")
+    if cfg.get("mlp_bias"):
+        raise EagleError("mlp_bias=true is not supported")
+    sliding = None
+    if family in ("mistral", "mixtral"):
+        sliding = cfg.get("sliding_window")
+    elif family in ("qwen2", "qwen3") and cfg.get("use_sliding_window"):
+        sliding = cfg.get("sliding_window")
+        layer_types = cfg.get("layer_types") or []
+        if any(t != "full_attention" for t in layer_types) or sliding:
+            raise EagleError(
+                "use_sliding_window=true is not supported (sliding-window attention is not implemented); "
+                "set it to false in config.json"
+            )
+    if family == "qwen2":
+        qkv_bias, o_bias = True, False
+    elif family == "qwen3":
+        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+    else:
+        qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(_get(cfg, "head_dim", hidden // num_heads))
+    eos = _as_ids(cfg.get("eos_token_id"))
+    if generation_config:
+        eos = tuple(dict.fromkeys(eos + _as_ids(generation_config.get("eos_token_id"))))
+    num_experts = int(_get(cfg, "num_local_experts", 0)) if family == "mixtral" else 0
+    return TargetConfig(
+        family=family,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", num_heads)),
+        head_dim=head_dim,
+        rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
+        rope=rope_from_hf(cfg),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        qk_norm=family == "qwen3",
+        num_experts=num_experts,
+        experts_per_token=int(_get(cfg, "num_experts_per_tok", 2)) if num_experts else 0,
+        sliding_window=int(sliding) if sliding else None,
+        eos_token_ids=eos,
+        bos_token_id=cfg.get("bos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+    )
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """Read a JSON file, turning a missing or malformed file into a one-line error."""
+    path = Path(path)
+    if not path.is_file():
+        raise EagleError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EagleError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+
+
+def load_target_config(model_dir: str | Path) -> TargetConfig:
+    """Read `config.json` (+ `generation_config.json` for eos ids) from an HF model directory."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise EagleError(f"{model_dir}: directory not found (expected a Hugging Face model directory)")
+    gen_path = model_dir / "generation_config.json"
+    gen = read_json(gen_path) if gen_path.is_file() else None
+    return target_config_from_hf(read_json(model_dir / "config.json"), gen)

@@ -1,0 +1,92 @@
+"""Static-capacity KV cache with per-row lengths.
+
+Slots [0, lengths[b]) of row b hold committed context. A forward writes its T new entries at
+slots lengths + offset + [0, T) and does not move `lengths`: the caller commits what it keeps
+(`advance`), so rejected tree entries are dropped by length, never by copying the cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.errors import EagleError
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    k: jax.Array  # [L, B, S, KV, D]
+    v: jax.Array  # [L, B, S, KV, D]
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
+    if capacity < 1:
+        raise EagleError(f"cache capacity must be positive, got {capacity}")
+    shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+
+
+def write(cache_k: jax.Array, cache_v: jax.Array, layer: int | jax.Array, slots: jax.Array,
+          k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter new entries k, v [B, T, KV, D] into layer `layer` at per-row slots [B, T]."""
+    rows = jnp.arange(k.shape[0])[:, None]
+    cache_k = cache_k.at[layer, rows, slots].set(k.astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[layer, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
+    return cache_k, cache_v
+
+
+def advance(cache: KVCache, n: jax.Array) -> KVCache:
+    """Commit n [B] more entries per row."""
+    return dataclasses.replace(cache, lengths=cache.lengths + n.astype(jnp.int32))
+
+
+def set_lengths(cache: KVCache, lengths: jax.Array) -> KVCache:
+    return dataclasses.replace(cache, lengths=lengths.astype(jnp.int32))
+
+
+def compact(cache: KVCache, src: jax.Array) -> KVCache:
+    """Move entries at slots lengths + src [B, N] to lengths + [0, N), in every layer.
+
+    Used to commit an accepted tree path: src are the path's node indices (root first); entries
+    past the accepted length are moved too but stay beyond `lengths` until overwritten.
+    """
+    b, n = src.shape
+    rows = jnp.arange(b)[:, None]
+    start = cache.lengths[:, None]
+    src_slots = jnp.clip(start + src, 0, cache.capacity - 1)
+    dst_slots = start + jnp.arange(n)[None, :]
+    k = cache.k[:, rows, src_slots]  # [L, B, N, KV, D]
+    v = cache.v[:, rows, src_slots]
+    new_k = cache.k.at[:, rows, dst_slots].set(k, mode="drop")
+    new_v = cache.v.at[:, rows, dst_slots].set(v, mode="drop")
+    return dataclasses.replace(cache, k=new_k, v=new_v)
+
+
+def window_mask(cache: KVCache, new_mask: jax.Array) -> jax.Array:
+    """Attention mask [B, T, S] over all cache slots.
+
+    A query sees committed slots (< lengths) plus the window [lengths, lengths + W) as allowed by
+    new_mask [B, T, W] (the uncommitted entries written by this and earlier calls).
+    """
+    b, t, w = new_mask.shape
+    slots = jnp.arange(cache.capacity)[None, None, :]
+    rel = slots - cache.lengths[:, None, None]  # [B, 1, S]
+    committed = rel < 0
+    in_window = (rel >= 0) & (rel < w)
+    picked = jnp.take_along_axis(new_mask, jnp.broadcast_to(jnp.clip(rel, 0, w - 1), (b, t, cache.capacity)), axis=2)
+    return committed | (in_window & picked)

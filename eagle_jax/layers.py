@@ -1,0 +1,94 @@
+"""Building blocks shared by targets and draft heads: norms, rotary embeddings, attention, MLPs."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.config import RopeConfig
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF/Llama RMSNorm: normalise in fp32, cast back, then scale."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * normed.astype(x.dtype)
+
+
+def inv_frequencies(rope: RopeConfig, head_dim: int, positions: jax.Array) -> jax.Array:
+    """Inverse frequencies [D/2] for the rope type; `dynamic` scales with the largest position seen."""
+    exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
+    inv = 1.0 / (rope.theta**exponent)
+    if rope.rope_type == "linear":
+        return inv / rope.factor
+    if rope.rope_type == "dynamic":
+        seq_len = jnp.maximum(jnp.max(positions) + 1, rope.max_position_embeddings).astype(jnp.float32)
+        base = rope.theta * (
+            (rope.factor * seq_len / rope.max_position_embeddings) - (rope.factor - 1)
+        ) ** (head_dim / (head_dim - 2))
+        return 1.0 / (base**exponent)
+    if rope.rope_type == "llama3":
+        old_ctx = rope.original_max_position_embeddings
+        low_wavelen = old_ctx / rope.low_freq_factor
+        high_wavelen = old_ctx / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (old_ctx / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(is_medium, smoothed, scaled)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
+    """Rotate x [B, T, N, D] by positions [B, T] (HF rotate-half layout)."""
+    head_dim = x.shape[-1]
+    inv = inv_frequencies(rope, head_dim, positions)
+    angles = positions.astype(jnp.float32)[..., None] * inv  # [B, T, D/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    x32 = x.astype(jnp.float32)
+    half = head_dim // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    return (x32 * cos + rotated * sin).astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Grouped-query attention. q [B, T, N, D], k/v [B, S, KV, D], mask [B, T, S] -> [B, T, N, D]."""
+    b, t, n, d = q.shape
+    kv = k.shape[2]
+    q = q.reshape(b, t, kv, n // kv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, n, d)
+
+
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ b)."""
+    y = jnp.einsum("...i,io->...o", x, w)
+    return y if b is None else y + b
+
+
+def swiglu(x: jax.Array, p: dict) -> jax.Array:
+    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
+
+
+def sparse_moe(x: jax.Array, p: dict, experts_per_token: int) -> jax.Array:
+    """Mixtral MoE: softmax router, top-k experts renormalised, SwiGLU experts.
+
+    x [B, T, H]; p['router'] [H, E]; expert weights stacked on a leading E axis.
+    """
+    router_logits = linear(x, p["router"]).astype(jnp.float32)  # [B, T, E]
+    probs = jax.nn.softmax(router_logits, axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, experts_per_token)
+    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    weights = jnp.sum(jax.nn.one_hot(top_i, probs.shape[-1]) * top_p[..., None], axis=-2)  # [B, T, E]
+    gate = jnp.einsum("bth,ehi->btei", x, p["gate"])
+    up = jnp.einsum("bth,ehi->btei", x, p["up"])
+    out = jnp.einsum("btei,eih->bteh", jax.nn.silu(gate) * up, p["down"])
+    return jnp.einsum("bteh,bte->bth", out, weights.astype(out.dtype))

@@ -1,0 +1,118 @@
+"""Parameters described once: shape, dtype and logical axes; init, abstract trees and shardings derive from it."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax.errors import EagleError
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+    """One parameter: its shape, dtype, logical axis names and initialiser kind."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    dtype: Any = jnp.float32
+    init: str = "normal"  # normal | ones | zeros
+    scale: float = 0.02
+
+    def __post_init__(self):
+        if len(self.shape) != len(self.axes):
+            raise ValueError(f"shape {self.shape} and axes {self.axes} differ in rank")
+
+
+def is_spec(x: Any) -> bool:
+    return isinstance(x, ParamSpec)
+
+
+def map_specs(fn: Callable[[ParamSpec], Any], specs: PyTree) -> PyTree:
+    return jax.tree.map(fn, specs, is_leaf=is_spec)
+
+
+def with_dtype(specs: PyTree, dtype: Any, only_float: bool = True) -> PyTree:
+    """The same specs with every floating parameter in `dtype`."""
+
+    def cast(s: ParamSpec) -> ParamSpec:
+        if only_float and not jnp.issubdtype(s.dtype, jnp.floating):
+            return s
+        return dataclasses.replace(s, dtype=dtype)
+
+    return map_specs(cast, specs)
+
+
+def abstract_params(specs: PyTree) -> PyTree:
+    """`jax.ShapeDtypeStruct` leaves: the restore / lowering target, no memory allocated."""
+    return map_specs(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs)
+
+
+def init_params(specs: PyTree, key: jax.Array) -> PyTree:
+    """Random parameters following the specs (normal(scale) weights, ones for norms, zeros for biases)."""
+    leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+    keys = jax.random.split(key, len(leaves))
+
+    def make(s: ParamSpec, k: jax.Array) -> jax.Array:
+        if s.init == "ones":
+            return jnp.ones(s.shape, s.dtype)
+        if s.init == "zeros":
+            return jnp.zeros(s.shape, s.dtype)
+        return (s.scale * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
+
+    return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
+
+
+def check_against_specs(params: PyTree, specs: PyTree, what: str) -> None:
+    """Raise one error naming every missing, unexpected or mis-shaped parameter."""
+    flat_specs = flatten_dict(specs)
+    flat_params = flatten_dict(params)
+    missing = sorted(set(flat_specs) - set(flat_params))
+    unexpected = sorted(set(flat_params) - set(flat_specs))
+    misshaped = [
+        f"{k} {tuple(np.shape(flat_params[k]))} != {flat_specs[k].shape}"
+        for k in sorted(set(flat_specs) & set(flat_params))
+        if tuple(np.shape(flat_params[k])) != flat_specs[k].shape
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {', '.join(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped {', '.join(misshaped)}")
+    if problems:
+        raise EagleError(f"{what}: " + "; ".join(problems))
+
+
+def flatten_dict(tree: PyTree, prefix: str = "") -> dict[str, Any]:
+    """{'a': {'b': x}} -> {'a.b': x} (leaves are specs or arrays)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_dict(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def unflatten_dict(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        node = out
+        *parents, leaf = name.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def param_count(specs: PyTree) -> int:
+    return sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec))

@@ -1,0 +1,159 @@
+"""Target transformers (Llama, Mistral, Mixtral, Qwen2, Qwen3) as pure functions over parameter trees.
+
+One `forward` serves prefill, one-token decode and tree verification: the new tokens attend to the
+committed cache plus a window of uncommitted entries given by an explicit mask (causal by default,
+the tree mask during verification).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax import kv_cache
+from eagle_jax.config import TargetConfig
+from eagle_jax.kv_cache import KVCache
+from eagle_jax.layers import apply_rope, attend, linear, rms_norm, sparse_moe, swiglu
+from eagle_jax.spec import ParamSpec
+
+
+def param_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:
+    """Every target parameter, once: shape, dtype, logical axes. Weights are [in, out]; layers stacked."""
+    L, H, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+
+    def w(*shape_axes, init="normal"):
+        shape = tuple(s for s, _ in shape_axes)
+        axes = tuple(a for _, a in shape_axes)
+        return ParamSpec(shape, axes, dtype, init)
+
+    layers = {
+        "attn_norm": w((L, "layers"), (H, None), init="ones"),
+        "q": w((L, "layers"), (H, "embed"), (q_out, "heads")),
+        "k": w((L, "layers"), (H, "embed"), (kv_out, "kv_heads")),
+        "v": w((L, "layers"), (H, "embed"), (kv_out, "kv_heads")),
+        "o": w((L, "layers"), (q_out, "heads"), (H, "embed")),
+        "mlp_norm": w((L, "layers"), (H, None), init="ones"),
+    }
+    if cfg.qkv_bias:
+        layers["q_bias"] = w((L, "layers"), (q_out, "heads"), init="zeros")
+        layers["k_bias"] = w((L, "layers"), (kv_out, "kv_heads"), init="zeros")
+        layers["v_bias"] = w((L, "layers"), (kv_out, "kv_heads"), init="zeros")
+    if cfg.o_bias:
+        layers["o_bias"] = w((L, "layers"), (H, None), init="zeros")
+    if cfg.qk_norm:
+        layers["q_norm"] = w((L, "layers"), (cfg.head_dim, None), init="ones")
+        layers["k_norm"] = w((L, "layers"), (cfg.head_dim, None), init="ones")
+    I = cfg.intermediate_size
+    if cfg.is_moe:
+        E = cfg.num_experts
+        layers["mlp"] = {
+            "router": w((L, "layers"), (H, "embed"), (E, None)),
+            "gate": w((L, "layers"), (E, "experts"), (H, "embed"), (I, "mlp")),
+            "up": w((L, "layers"), (E, "experts"), (H, "embed"), (I, "mlp")),
+            "down": w((L, "layers"), (E, "experts"), (I, "mlp"), (H, "embed")),
+        }
+    else:
+        layers["mlp"] = {
+            "gate": w((L, "layers"), (H, "embed"), (I, "mlp")),
+            "up": w((L, "layers"), (H, "embed"), (I, "mlp")),
+            "down": w((L, "layers"), (I, "mlp"), (H, "embed")),
+        }
+    specs = {
+        "embed": w((V, "vocab"), (H, "embed")),
+        "layers": layers,
+        "final_norm": w((H, None), init="ones"),
+    }
+    if not cfg.tie_word_embeddings:
+        specs["lm_head"] = w((H, "embed"), (V, "vocab"))
+    return specs
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetOutput:
+    logits: jax.Array | None  # [B, T, V] float32
+    hidden: jax.Array  # [B, T, H] final normed hidden state (EAGLE-1 feature)
+    features: jax.Array  # [B, T, n*H] inputs of the feature layers, concatenated (EAGLE-3 features)
+    cache: KVCache
+
+
+def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    return kv_cache.init_cache(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype)
+
+
+def causal_mask(batch: int, t: int) -> jax.Array:
+    return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
+
+
+def _attention(p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v,
+               layer, slots, mask) -> tuple[jax.Array, jax.Array, jax.Array]:
+    b, t, _ = x.shape
+    q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = linear(x, p["v"], p.get("v_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, cfg.rope)
+    k = apply_rope(k, positions, cfg.rope)
+    cache_k, cache_v = kv_cache.write(cache_k, cache_v, layer, slots, k, v)
+    out = attend(q, cache_k[layer], cache_v[layer], mask)  # [B, T, N, D]
+    out = linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
+    return out, cache_k, cache_v
+
+
+def lm_logits(params: dict, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
+    """Logits [..., V] in float32 from final normed hidden states."""
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return linear(hidden, head).astype(jnp.float32)
+
+
+def forward(
+    params: dict,
+    cfg: TargetConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    mask: jax.Array | None = None,
+    offset: int | jax.Array = 0,
+    feature_layers: Sequence[int] | None = None,
+    compute_logits: bool = True,
+) -> TargetOutput:
+    """Run T new tokens [B, T] at positions [B, T] against the cache.
+
+    The new keys/values are written at slots lengths + offset + [0, T); `mask` [B, T, W] says which
+    of the window slots [lengths, lengths + W) each new token sees (default: causal, W = T).
+    The cache lengths are not advanced: call `kv_cache.advance` with what is committed.
+    """
+    b, t = tokens.shape
+    if mask is None:
+        mask = causal_mask(b, t)
+    feature_layers = tuple(feature_layers if feature_layers is not None else cfg.eagle3_layers)
+    full_mask = kv_cache.window_mask(cache, mask)  # [B, T, S]
+    slots = cache.lengths[:, None] + offset + jnp.arange(t)[None, :]  # [B, T]
+    x = params["embed"][tokens]  # [B, T, H]
+    feats = jnp.zeros((len(feature_layers),) + x.shape, x.dtype)
+    layer_ids = jnp.asarray(feature_layers, jnp.int32)
+
+    def layer_step(carry, inputs):
+        x, ck, cv, feats = carry
+        p, i = inputs
+        feats = jnp.where((layer_ids == i)[:, None, None, None], x[None], feats)
+        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+        attn, ck, cv = _attention(p, cfg, h, positions, ck, cv, i, slots, full_mask)
+        x = x + attn
+        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+        mlp = sparse_moe(h, p["mlp"], cfg.experts_per_token) if cfg.is_moe else swiglu(h, p["mlp"])
+        return (x + mlp, ck, cv, feats), None
+
+    (x, ck, cv, feats), _ = jax.lax.scan(
+        layer_step, (x, cache.k, cache.v, feats), (params["layers"], jnp.arange(cfg.num_layers))
+    )
+    hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    features = jnp.concatenate(list(feats), axis=-1)
+    logits = lm_logits(params, cfg, hidden) if compute_logits else None
+    return TargetOutput(logits, hidden, features, dataclasses.replace(cache, k=ck, v=cv))

@@ -1,0 +1,30 @@
+"""Shared fixtures. Eight virtual CPU devices are configured before jax is imported."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.fixture(scope="session")
+def golden_dir() -> Path:
+    return GOLDEN
+
+
+@pytest.fixture(scope="session")
+def reference():
+    return np.load(GOLDEN / "reference.npz")
+
+
+@pytest.fixture(scope="session")
+def golden_target():
+    from eagle_jax import hf_io
+
+    return hf_io.load_target(GOLDEN / "target")
