@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from eagle_jax import kv_cache
 from eagle_jax.config import TargetConfig
+from eagle_jax.errors import EagleError
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.layers import apply_rope, attend, linear, rms_norm, sparse_moe, swiglu
 from eagle_jax.spec import ParamSpec
@@ -81,7 +82,23 @@ class TargetOutput:
     cache: KVCache
 
 
+def check_capacity(cfg: TargetConfig, capacity: int) -> None:
+    """Refuse a cache longer than the sliding window (Mistral `sliding_window`).
+
+    Sliding-window attention is not implemented: every query sees its whole context. With a window W,
+    HF lets position i see keys j with i - j < W, so the two agree exactly while a sequence holds at
+    most W tokens, i.e. for caches of capacity <= W.
+    """
+    if cfg.sliding_window is not None and capacity > cfg.sliding_window:
+        raise EagleError(
+            f"cache capacity {capacity} exceeds sliding_window={cfg.sliding_window}: sliding-window attention is "
+            f"not implemented, so this model is exact only for sequences of at most {cfg.sliding_window} tokens; "
+            "use a smaller max length"
+        )
+
+
 def init_cache(cfg: TargetConfig, batch: int, capacity: int, dtype=jnp.float32) -> KVCache:
+    check_capacity(cfg, capacity)
     return kv_cache.init_cache(cfg.num_layers, batch, capacity, cfg.num_kv_heads, cfg.head_dim, dtype)
 
 
@@ -106,10 +123,14 @@ def _attention(p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, c
     return out, cache_k, cache_v
 
 
+def output_head(params: dict, cfg: TargetConfig) -> jax.Array:
+    """The lm_head as [H, V] (the transposed embedding when tied)."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+
+
 def lm_logits(params: dict, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
     """Logits [..., V] in float32 from final normed hidden states."""
-    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return linear(hidden, head).astype(jnp.float32)
+    return linear(hidden, output_head(params, cfg)).astype(jnp.float32)
 
 
 def forward(
@@ -133,6 +154,8 @@ def forward(
     if mask is None:
         mask = causal_mask(b, t)
     feature_layers = tuple(feature_layers if feature_layers is not None else cfg.eagle3_layers)
+    if any(not 0 <= i < cfg.num_layers for i in feature_layers):
+        raise EagleError(f"feature_layers={feature_layers}: layer indices must lie in [0, {cfg.num_layers})")
     full_mask = kv_cache.window_mask(cache, mask)  # [B, T, S]
     slots = cache.lengths[:, None] + offset + jnp.arange(t)[None, :]  # [B, T]
     x = params["embed"][tokens]  # [B, T, H]
@@ -154,6 +177,6 @@ def forward(
         layer_step, (x, cache.k, cache.v, feats), (params["layers"], jnp.arange(cfg.num_layers))
     )
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    features = jnp.concatenate(list(feats), axis=-1)
+    features = jnp.concatenate(list(feats), axis=-1) if feature_layers else x[..., :0]
     logits = lm_logits(params, cfg, hidden) if compute_logits else None
     return TargetOutput(logits, hidden, features, dataclasses.replace(cache, k=ck, v=cv))

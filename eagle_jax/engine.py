@@ -1,0 +1,306 @@
+"""Speculative decoding: draft a tree, verify it with one target forward, accept, repeat.
+
+One jitted function runs a whole cycle with fixed shapes:
+  draft tree (expand, rerank) -> target forward over the tree under the tree mask -> choose the
+  accepted path and the bonus token -> move the accepted target KV entries to contiguous slots
+  (rejected ones are dropped by length) -> feed the accepted features to the draft.
+Generation is a `lax.while_loop` over cycles with donated state; `stream` drives the same jitted
+cycle from Python for terminal output.
+
+Acceptance. At every tree node the target's choice is drawn from its processed distribution p
+(argmax when greedy). A node is accepted when every node on its path equals the choice at its
+parent; the deepest accepted node ends the path and its choice is the bonus token. For sampling
+this is exactly upstream's EAGLE-2/3 rule with a deterministic draft (q = 1): trying the distinct
+children x_1, x_2, ... in order, accepting x_i with probability p(x_i) after zeroing and
+renormalising rejected ones, accepts x_i with total probability p(x_i) and, when all are
+rejected, samples the bonus from p restricted to the other tokens -- which is what one draw
+y ~ p followed by "move to the child whose token is y, else emit y" does. So the output
+distribution equals the target's (lossless), and greedy output equals plain greedy decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax import draft, kv_cache, target, tree as trees
+from eagle_jax.config import TargetConfig
+from eagle_jax.draft import DraftConfig
+from eagle_jax.generate import PAD_ID, default_capacity, prepare_prompts, prompt_bucket
+from eagle_jax.kv_cache import KVCache
+from eagle_jax.sampling import SamplingConfig, sample
+from eagle_jax.tree import Tree, TreeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static settings of one compiled engine: the tree envelope and the sampling rule."""
+
+    tree: TreeConfig = trees.DynamicTree()
+    sampling: SamplingConfig = SamplingConfig()
+
+    @property
+    def path_len(self) -> int:
+        """Most tokens one cycle appends (root + deepest draft level)."""
+        return self.tree.max_depth + 1
+
+    @property
+    def cache_overhead(self) -> int:
+        """Cache slots needed past the committed context during one cycle."""
+        return max(self.tree.num_nodes, self.tree.draft_window, self.path_len)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecState:
+    """Carry of the generation loop (B rows, O output slots, C max cycles)."""
+
+    target_cache: KVCache
+    draft_cache: KVCache
+    root: jax.Array  # [B] int32: next tree root (the target's last token, not yet in its cache)
+    draft_hidden: jax.Array  # [B, H] draft output at the last committed draft position
+    out: jax.Array  # [B, O] int32 generated tokens, PAD_ID past counts
+    counts: jax.Array  # [B] int32
+    limits: jax.Array  # [B] int32 per-row budgets
+    done: jax.Array  # [B] bool
+    eos: jax.Array  # [B] bool
+    cycle: jax.Array  # [] int32
+    accept_lengths: jax.Array  # [C, B] int32 accepted draft tokens per cycle (-1: row not running)
+    key: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecResult:
+    tokens: list[list[int]]  # new tokens per row (exactly max_new_tokens unless eos came first)
+    accept_lengths: list[list[int]]  # per row, per cycle it ran
+    stop_reasons: list[str]
+
+    @property
+    def cycles(self) -> list[int]:
+        return [len(a) for a in self.accept_lengths]
+
+    @property
+    def new_tokens(self) -> list[int]:
+        return [len(t) for t in self.tokens]
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per cycle over all rows."""
+        return sum(self.new_tokens) / max(1, sum(self.cycles))
+
+    def accept_histogram(self, max_accept: int) -> list[int]:
+        """Counts of accept lengths 0..max_accept over all rows and cycles."""
+        flat = [a for row in self.accept_lengths for a in row]
+        return np.bincount(np.asarray(flat, np.int64), minlength=max_accept + 1).tolist()
+
+    def n_alpha(self, max_accept: int) -> list[float | None]:
+        """Acceptance rate at depth n (1..max_accept) given that depths < n were accepted."""
+        hist = np.asarray(self.accept_histogram(max_accept), np.float64)
+        reached = hist[::-1].cumsum()[::-1]  # reached[n] = cycles with accept >= n
+        return [float(reached[n] / reached[n - 1]) if reached[n - 1] else None for n in range(1, max_accept + 1)]
+
+
+def _features(kind: str, out: target.TargetOutput) -> jax.Array:
+    """What the head reads: EAGLE-3 the fused layer inputs, EAGLE-1 the final normed hidden state."""
+    return out.features if kind == "eagle3" else out.hidden
+
+
+def _expand_fn(dparams: dict, dcfg: DraftConfig, embed: jax.Array, head: jax.Array, k: int):
+    def expand(cache, tokens, hidden, positions, mask, offset):
+        out, cache = draft.forward(dparams, dcfg, embed, tokens, hidden, positions, cache, mask, offset)
+        ids, logp = draft.top_k(dparams, dcfg, out, head, k)
+        return cache, out, ids, logp
+
+    return expand
+
+
+def _draft_context(dparams, dcfg, embed, cache: KVCache, tokens, features, count) -> tuple[jax.Array, KVCache]:
+    """Append (feature_i, token_{i+1}) pairs [B, T] for the first count [B] of each row; returns the
+    draft output at the last appended pair [B, H] and the cache with lengths advanced by count."""
+    b, t = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
+    hidden = draft.project_features(dparams, dcfg, features)
+    out, cache = draft.forward(dparams, dcfg, embed, tokens, hidden, positions, cache)
+    last = jnp.take_along_axis(out, (count - 1)[:, None, None], axis=1)[:, 0]
+    return last, kv_cache.advance(cache, count)
+
+
+def _is_eos(tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
+    if not cfg.eos_token_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(cfg.eos_token_ids, tokens.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "capacity", "max_cycles"))
+def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfig, dcfg: DraftConfig,
+            spec: SpecConfig, capacity: int, max_cycles: int) -> SpecState:
+    """Prompts [B, P] right-padded with lengths [B] -> the state before the first cycle.
+
+    The target fills its cache and picks the first root; the draft reads the pairs
+    (feature_i, token_{i+1}) for i < length (the last token being the root).
+    """
+    b, p = tokens.shape
+    dtype = tparams["embed"].dtype
+    tcache = target.init_cache(tcfg, b, capacity, dtype)
+    positions = jnp.broadcast_to(jnp.arange(p), (b, p))
+    out = target.forward(tparams, tcfg, tokens, positions, tcache, compute_logits=False)
+    rows = jnp.arange(b)
+    last_hidden = out.hidden[rows, lengths - 1]
+    root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), spec.sampling)
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, lengths - 1].set(root)
+    dcache = draft.init_cache(dcfg, b, capacity, dtype)
+    draft_hidden, dcache = _draft_context(dparams, dcfg, tparams["embed"], dcache, shifted,
+                                          _features(dcfg.kind, out), lengths)
+    return SpecState(
+        target_cache=kv_cache.set_lengths(out.cache, lengths),
+        draft_cache=dcache,
+        root=root,
+        draft_hidden=draft_hidden,
+        out=jnp.full((b, max_cycles), PAD_ID, jnp.int32),
+        counts=jnp.zeros((b,), jnp.int32),
+        limits=limits,
+        done=limits <= 0,
+        eos=jnp.zeros((b,), bool),
+        cycle=jnp.int32(0),
+        accept_lengths=jnp.full((max_cycles, b), -1, jnp.int32),
+        key=key,
+    )
+
+
+def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig):
+    """One draft -> verify -> accept cycle. Returns the new state and this cycle's tree."""
+    b = s.root.shape[0]
+    rows = jnp.arange(b)
+    embed = tparams["embed"]
+    head = target.output_head(tparams, tcfg)
+    running = ~s.done
+    # 1. draft the tree
+    ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, spec.tree.top_k)
+    expand = _expand_fn(dparams, dcfg, embed, head, spec.tree.top_k)
+    tr, dcache = trees.build(spec.tree, s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths, expand, s.draft_cache)
+    # 2. verify: one target forward over the tree
+    positions = s.target_cache.lengths[:, None] + tr.depths
+    fwd = target.forward(tparams, tcfg, tr.tokens, positions, s.target_cache, mask=tr.mask)
+    key = jax.random.fold_in(s.key, s.cycle + 1)
+    choice = sample(key, fwd.logits, spec.sampling)  # [B, N] the target's token after each node
+    # 3. accept the deepest node whose whole path agrees with the target
+    agrees = tr.tokens == jnp.take_along_axis(choice, tr.parents, axis=1)
+    agrees = agrees.at[:, 0].set(True)
+    accepted = jnp.all(jnp.where(tr.mask, agrees[:, None, :], True), axis=-1)  # [B, N]
+    best = jnp.argmax(jnp.where(accepted, tr.depths, -1), axis=-1)  # [B]
+    accept_len = tr.depths[rows, best]  # accepted draft tokens
+    path = trees.root_paths(tr.mask[rows, best][:, None, :], tr.depths, spec.path_len)[:, 0]
+    path = jnp.where(jnp.arange(spec.path_len)[None, :] <= accept_len[:, None], path, 0)  # [B, D+2]
+    bonus = choice[rows, best]
+    emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
+    # 4. emit up to the budget and the first eos
+    offsets = jnp.arange(spec.path_len)[None, :]
+    valid = (offsets <= accept_len[:, None]) & (offsets < (s.limits - s.counts)[:, None])
+    is_eos = valid & _is_eos(emitted, tcfg)
+    first_eos = jnp.argmax(is_eos, axis=-1)
+    hit_eos = jnp.any(is_eos, axis=-1)
+    valid = valid & (~hit_eos[:, None] | (offsets <= first_eos[:, None])) & running[:, None]
+    n_new = jnp.sum(valid, axis=-1).astype(jnp.int32)
+    out = s.out.at[rows[:, None], s.counts[:, None] + offsets].set(jnp.where(valid, emitted, PAD_ID), mode="drop")
+    counts = s.counts + n_new
+    # 5. commit the accepted target entries, feed the draft the accepted features
+    commit = jnp.where(running, accept_len + 1, 0)
+    tcache = kv_cache.advance(kv_cache.compact(fwd.cache, path), commit)
+    pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
+    feats = jnp.take_along_axis(_features(dcfg.kind, fwd), path[:, :, None], axis=1)
+    draft_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit)
+    eos = s.eos | (running & hit_eos)
+    room = tcache.lengths + spec.cache_overhead <= tcache.capacity
+    done = s.done | eos | (counts >= s.limits) | ~room
+    keep = running[:, None]
+    new = SpecState(
+        target_cache=tcache,
+        draft_cache=dcache,
+        root=jnp.where(running, bonus, s.root),
+        draft_hidden=jnp.where(keep, draft_hidden, s.draft_hidden),
+        out=out,
+        counts=counts,
+        limits=s.limits,
+        done=done,
+        eos=eos,
+        cycle=s.cycle + 1,
+        accept_lengths=s.accept_lengths.at[s.cycle].set(jnp.where(running, accept_len, -1), mode="drop"),
+        key=s.key,
+    )
+    return new, tr
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("state",))
+def cycle(tparams, dparams, state: SpecState, *, tcfg, dcfg, spec) -> tuple[SpecState, Tree]:
+    """One jitted cycle (the streaming path)."""
+    return _cycle(tparams, dparams, state, tcfg, dcfg, spec)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("state",))
+def run(tparams, dparams, state: SpecState, *, tcfg, dcfg, spec) -> SpecState:
+    """Cycles until every row is done, as one `lax.while_loop` (no host round trip per cycle)."""
+    return jax.lax.while_loop(
+        lambda s: ~jnp.all(s.done),
+        lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, spec)[0],
+        state,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    tokens: np.ndarray
+    lengths: np.ndarray
+    limits: np.ndarray
+    capacity: int
+    max_cycles: int
+
+
+def prepare(prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig, capacity: int | None,
+            pad_id: int = 0) -> Prepared:
+    """Validate and pad prompts; the cache holds prompt + budget + one cycle's tree."""
+    if capacity is None and prompts and all(prompts):
+        longest = max(len(p) for p in prompts)
+        capacity = default_capacity(prompt_bucket(longest), max_new_tokens + spec.cache_overhead)
+    usable = None if capacity is None else capacity - spec.cache_overhead
+    tokens, lengths, limits, _ = prepare_prompts(prompts, max_new_tokens, usable, pad_id)
+    return Prepared(tokens, lengths, limits, capacity, max(1, int(limits.max())))
+
+
+def init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity) -> SpecState:
+    p = prepare(prompts, max_new_tokens, spec, capacity, tcfg.pad_token_id or 0)
+    return prefill(tparams, dparams, p.tokens, p.lengths, p.limits, jax.random.key(seed), tcfg=tcfg, dcfg=dcfg,
+                   spec=spec, capacity=p.capacity, max_cycles=p.max_cycles)
+
+
+def _result(state: SpecState) -> SpecResult:
+    out, counts, eos, acc = jax.device_get((state.out, state.counts, state.eos, state.accept_lengths))
+    return SpecResult(
+        tokens=[out[r, :n].tolist() for r, n in enumerate(counts)],
+        accept_lengths=[[int(a) for a in acc[:, r] if a >= 0] for r in range(out.shape[0])],
+        stop_reasons=["eos" if e else "length" for e in eos],
+    )
+
+
+def generate(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: list[list[int]],
+             max_new_tokens: int, spec: SpecConfig = SpecConfig(), seed: int = 0,
+             capacity: int | None = None) -> SpecResult:
+    """Speculative generation of up to max_new_tokens new tokens per prompt, on device end to end."""
+    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity)
+    return _result(run(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec))
+
+
+def stream(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: list[list[int]],
+           max_new_tokens: int, spec: SpecConfig = SpecConfig(), seed: int = 0,
+           capacity: int | None = None) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
+    """Drive the jitted cycle from Python; yields (new tokens per row, the cycle's tree, state)."""
+    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity)
+    while not bool(jnp.all(state.done)):
+        before = np.asarray(state.counts)
+        state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec)
+        counts, out = jax.device_get((state.counts, state.out))
+        yield [out[r, before[r]:counts[r]].tolist() for r in range(len(counts))], tr, state

@@ -1,0 +1,298 @@
+"""Draft trees with static shapes: EAGLE-2 dynamic trees and EAGLE-1 static trees.
+
+A tree has N nodes (node 0 is the root: the token the target produced last) and is described by
+  tokens  [B, N]  target ids
+  parents [B, N]  parent node (root: 0)
+  depths  [B, N]  0 for the root; the target verifies node j at position context_len + depths[j]
+  mask    [B, N, N] ancestor closure including self (the tree attention mask)
+  paths   [B, N, D+2] root-to-leaf node lists ("retrieve indices"), leaves in ascending node order,
+          padded with -1 (columns past a leaf's depth and rows past the last leaf).
+
+Dynamic trees follow upstream `topK_genrate` exactly: `total_tokens` counts the root, `depth`
+expansion steps give depth + 1 draft levels, nodes keep their recorded order (level, parent rank,
+child rank) after the global top-(total_tokens - 1) rerank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax.errors import EagleError
+
+# Upstream default EAGLE-1 static tree (26 nodes with the root), as top-k rank paths.
+MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
+    (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
+    (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
+    (0, 0, 0, 0), (0, 0, 0, 1), (0, 0, 0, 2), (0, 0, 0, 0, 0), (0, 0, 0, 0, 1),
+)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2 envelope (upstream defaults 60 / 7 / 10). total_tokens counts the root."""
+
+    total_tokens: int = 60
+    depth: int = 7
+    top_k: int = 10
+
+    def __post_init__(self):
+        candidates = self.top_k + self.depth * self.top_k**2
+        if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:
+            raise EagleError(f"bad tree envelope {self}: need top_k >= 1, depth >= 1, total_tokens >= 2")
+        if self.total_tokens - 1 > candidates:
+            raise EagleError(
+                f"total_tokens={self.total_tokens} exceeds the {candidates} candidates of depth={self.depth}, "
+                f"top_k={self.top_k}; lower total_tokens or raise depth/top_k"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return self.total_tokens
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest node level (the root is level 0)."""
+        return self.depth + 1
+
+    @property
+    def draft_window(self) -> int:
+        """Uncommitted draft-cache slots one tree build writes."""
+        return self.depth * self.top_k
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTree:
+    """A fixed tree given as top-k rank paths, e.g. ((0,), (1,), (0, 0), ...); node order = (length, path)."""
+
+    paths: tuple[tuple[int, ...], ...] = MC_SIM_7B_63
+
+    def __post_init__(self):
+        paths = tuple(sorted({tuple(p) for p in self.paths}, key=lambda p: (len(p), p)))
+        for p in paths:
+            if not p or min(p) < 0 or (len(p) > 1 and p[:-1] not in paths):
+                raise EagleError(f"static tree path {list(p)} is invalid: every prefix of a path must be a path too")
+        object.__setattr__(self, "paths", paths)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    @property
+    def top_k(self) -> int:
+        return max(p[-1] for p in self.paths) + 1
+
+    @property
+    def width(self) -> int:
+        """Most nodes on one level."""
+        return max(sum(len(p) == d for p in self.paths) for d in range(1, self.max_depth + 1))
+
+    @property
+    def draft_window(self) -> int:
+        return max(self.max_depth - 1, 1) * self.width
+
+
+TreeConfig = DynamicTree | StaticTree
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Tree:
+    tokens: jax.Array  # [B, N]
+    parents: jax.Array  # [B, N]
+    depths: jax.Array  # [B, N]
+    mask: jax.Array  # [B, N, N]
+    paths: jax.Array  # [B, N, D+2]
+
+
+# A draft expansion: (tokens [B, K], hidden [B, K, H], positions [B, K], window mask [B, K, W], offset)
+#   -> (outputs [B, K, H], top-k target ids [B, K, k], top-k log-probs [B, K, k]); it writes the
+#   K entries into the draft cache window at `offset` (carried by the closure's state).
+ExpandFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
+    """Ancestor closure including self: [B, N] parents (root's parent = 0) -> [B, N, N] bool."""
+    n = parents.shape[-1]
+    eye = jnp.eye(n, dtype=bool)
+    m = jnp.broadcast_to(eye, parents.shape + (n,))
+    for _ in range(max_depth):
+        m = eye | jnp.take_along_axis(m, parents[..., None], axis=-2)
+    return m
+
+
+def root_paths(mask: jax.Array, depths: jax.Array, num_cols: int) -> jax.Array:
+    """paths[b, j, d] = the ancestor of node j at depth d (-1 past depth j). [B, N, num_cols]."""
+    d = jnp.arange(num_cols)
+    at_depth = depths[:, None, :, None] == d[None, None, None, :]  # [B, 1, N, C]
+    hit = mask[..., None] & at_depth  # [B, N, N, C]
+    node = jnp.arange(mask.shape[-1])[None, None, :, None]
+    return jnp.where(jnp.any(hit, axis=2), jnp.sum(jnp.where(hit, node, 0), axis=2), -1)
+
+
+def _finish(tokens: jax.Array, parents: jax.Array, max_depth: int) -> Tree:
+    mask = ancestor_mask(parents, max_depth)
+    depths = jnp.sum(mask, axis=-1) - 1
+    node_paths = root_paths(mask, depths, max_depth + 1)
+    has_child = jnp.zeros(tokens.shape, bool).at[jnp.arange(tokens.shape[0])[:, None], parents[:, 1:]].set(True)
+    is_leaf = ~has_child
+    order = jnp.argsort(~is_leaf, axis=-1, stable=True)  # leaves first, ascending
+    leaf_paths = jnp.take_along_axis(node_paths, order[..., None], axis=1)
+    leaf_paths = jnp.where(jnp.take_along_axis(is_leaf, order, axis=1)[..., None], leaf_paths, -1)
+    return Tree(tokens, parents, depths, mask, leaf_paths)
+
+
+def build_dynamic(
+    spec: DynamicTree,
+    root: jax.Array,
+    root_hidden: jax.Array,
+    root_ids: jax.Array,
+    root_logp: jax.Array,
+    base_position: jax.Array,
+    expand: ExpandFn,
+    state,
+):
+    """EAGLE-2 tree. root [B]; root_hidden [B, H] is the draft output that proposed level 1 with
+    (root_ids, root_logp) [B, k]; base_position [B] is the draft position of level 1.
+
+    `expand(state, tokens, hidden, positions, mask, offset) -> (state, out, ids, logp)` runs the draft.
+    Returns (Tree, state).
+    """
+    b, k, depth = root.shape[0], spec.top_k, spec.depth
+    w = spec.draft_window
+    rows = jnp.arange(b)[:, None]
+    # level 1
+    frontier_tokens, frontier_scores = root_ids, root_logp  # [B, k]
+    frontier_hidden = jnp.broadcast_to(root_hidden[:, None, :], (b, k, root_hidden.shape[-1]))
+    frontier_flat = jnp.broadcast_to(jnp.arange(k), (b, k))  # flat candidate index of each frontier node
+    frontier_mask = jnp.broadcast_to(jnp.eye(k, w, dtype=bool), (b, k, w))  # window slots each node sees
+
+    def step(carry, i):
+        state, tokens, scores, hidden, flat, mask = carry
+        positions = jnp.broadcast_to(base_position[:, None] + i, (b, k))
+        state, out, ids, logp = expand(state, tokens, hidden, positions, mask, i * k)  # ids/logp [B, k, k]
+        cum = (logp + scores[..., None]).reshape(b, k * k)
+        child_tokens = ids.reshape(b, k * k)
+        child_parents = jnp.repeat(flat + 1, k, axis=-1)  # flat index + 1 of the parent; 0 = root
+        next_scores, pick = jax.lax.top_k(cum, k)  # [B, k]
+        parent_rank = pick // k
+        next_mask = jnp.take_along_axis(mask, parent_rank[..., None], axis=1)
+        next_mask = next_mask | (jnp.arange(w)[None, None, :] == ((i + 1) * k + jnp.arange(k))[None, :, None])
+        carry = (
+            state,
+            child_tokens[rows, pick],
+            next_scores,
+            out[rows, parent_rank],
+            k + i * k * k + pick,
+            next_mask,
+        )
+        return carry, (child_tokens, cum, child_parents)
+
+    init = (state, frontier_tokens, frontier_scores, frontier_hidden, frontier_flat, frontier_mask)
+    (state, *_), (tok_l, score_l, parent_l) = jax.lax.scan(step, init, jnp.arange(depth))
+    all_tokens = jnp.concatenate([root_ids, jnp.moveaxis(tok_l, 0, 1).reshape(b, -1)], axis=1)
+    all_scores = jnp.concatenate([root_logp, jnp.moveaxis(score_l, 0, 1).reshape(b, -1)], axis=1)
+    all_parents = jnp.concatenate(
+        [jnp.zeros((b, k), jnp.int32), jnp.moveaxis(parent_l, 0, 1).reshape(b, -1).astype(jnp.int32)], axis=1
+    )
+    _, chosen = jax.lax.top_k(all_scores, spec.total_tokens - 1)
+    chosen = jnp.sort(chosen, axis=-1)  # recorded order
+    parent_flat = jnp.take_along_axis(all_parents, chosen, axis=1)  # [B, N-1]
+    parent_node = jax.vmap(jnp.searchsorted)(chosen, parent_flat - 1) + 1
+    parent_node = jnp.where(parent_flat == 0, 0, parent_node)
+    tokens = jnp.concatenate([root[:, None], jnp.take_along_axis(all_tokens, chosen, axis=1)], axis=1)
+    parents = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent_node.astype(jnp.int32)], axis=1)
+    return _finish(tokens, parents, spec.max_depth), state
+
+
+@dataclasses.dataclass(frozen=True)
+class _StaticLayout:
+    """Numpy tables of a static tree: per level, which nodes, their parents' slots and ranks."""
+
+    parents: np.ndarray  # [N]
+    level_nodes: np.ndarray  # [D, width] node index per level slot (-1 = padding)
+    level_rank: np.ndarray  # [D, width] top-k rank of each node under its parent
+    level_parent_slot: np.ndarray  # [D, width] slot of the parent in the previous level (level 1: 0)
+    window_mask: np.ndarray  # [D-1, width, W] ancestors (and self) among expanded levels 1..D-1
+
+
+def static_layout(spec: StaticTree) -> _StaticLayout:
+    paths = spec.paths
+    index = {p: i + 1 for i, p in enumerate(paths)}
+    parents = np.array([0] + [index.get(p[:-1], 0) for p in paths], np.int32)
+    d_max, width = spec.max_depth, spec.width
+    level_nodes = -np.ones((d_max, width), np.int32)
+    level_rank = np.zeros((d_max, width), np.int32)
+    level_parent_slot = np.zeros((d_max, width), np.int32)
+    slot_of: dict[tuple[int, ...], int] = {}
+    for d in range(1, d_max + 1):
+        level = [p for p in paths if len(p) == d]
+        for s, p in enumerate(level):
+            slot_of[p] = s
+            level_nodes[d - 1, s] = index[p]
+            level_rank[d - 1, s] = p[-1]
+            level_parent_slot[d - 1, s] = slot_of[p[:-1]] if d > 1 else 0
+    w = spec.draft_window
+    window_mask = np.zeros((max(d_max - 1, 1), width, w), bool)
+    for d in range(1, d_max):
+        for s, p in enumerate(q for q in paths if len(q) == d):
+            for a in range(1, d + 1):
+                window_mask[d - 1, s, (a - 1) * width + slot_of[p[:a]]] = True
+    return _StaticLayout(parents, level_nodes, level_rank, level_parent_slot, window_mask)
+
+
+def build_static(
+    spec: StaticTree,
+    root: jax.Array,
+    root_hidden: jax.Array,
+    root_ids: jax.Array,
+    root_logp: jax.Array,
+    base_position: jax.Array,
+    expand: ExpandFn,
+    state,
+):
+    """EAGLE-1 static tree: node tokens are the parent's draft top-k at the node's rank."""
+    del root_logp
+    lay = static_layout(spec)
+    b, width, n = root.shape[0], spec.width, spec.num_nodes
+    rows = jnp.arange(b)[:, None]
+    tokens = jnp.zeros((b, n), root.dtype).at[:, 0].set(root)
+    level_tokens = root_ids[:, lay.level_rank[0]]  # [B, width]
+    for d in range(1, spec.max_depth + 1):
+        valid = lay.level_nodes[d - 1] >= 0
+        tokens = tokens.at[:, lay.level_nodes[d - 1][valid]].set(level_tokens[:, valid])
+        if d == spec.max_depth:
+            break
+        hidden = root_hidden[:, None, :] if d == 1 else out
+        parent_hidden = jnp.broadcast_to(hidden[:, lay.level_parent_slot[d - 1]], (b, width, root_hidden.shape[-1]))
+        positions = jnp.broadcast_to(base_position[:, None] + d - 1, (b, width))
+        mask = jnp.broadcast_to(jnp.asarray(lay.window_mask[d - 1]), (b, width, spec.draft_window))
+        state, out, ids, _ = expand(state, level_tokens, parent_hidden, positions, mask, (d - 1) * width)
+        level_tokens = ids[rows, lay.level_parent_slot[d], lay.level_rank[d]]
+    parents = jnp.broadcast_to(jnp.asarray(lay.parents), (b, n))
+    return _finish(tokens, parents, spec.max_depth), state
+
+
+def build(spec: TreeConfig, *args):
+    return build_dynamic(spec, *args) if isinstance(spec, DynamicTree) else build_static(spec, *args)
+
+
+def parse_static(text: str) -> StaticTree:
+    """'default' / 'mc_sim_7b_63' or a JSON list of rank paths."""
+    import json
+
+    if text in ("default", "static", "mc_sim_7b_63"):
+        return StaticTree()
+    try:
+        paths: Sequence[Sequence[int]] = json.loads(text)
+        return StaticTree(tuple(tuple(int(x) for x in p) for p in paths))
+    except (json.JSONDecodeError, TypeError, ValueError):
+        raise EagleError(f"bad static tree {text!r}: give 'mc_sim_7b_63' or a JSON list of rank paths like [[0],[1],[0,0]]") from None
