@@ -1,0 +1,75 @@
+"""Token sampling: the processed target distribution (temperature, top-k, top-p) and draws from it.
+
+Shared by plain generation and speculative verification, which needs the same distribution p
+to accept or reject draft tokens. All functions act on the last axis and accept any leading shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from eagle_jax.errors import EagleError
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen. Hashable, so it can be a static jit argument.
+
+    temperature: 0 means greedy (argmax); top_p: 1.0 disables nucleus filtering; top_k: 0 disables it.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise EagleError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise EagleError(f"top_p={self.top_p} must be in (0, 1] (1 = off)")
+        if self.top_k < 0:
+            raise EagleError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def processed_logits(logits: jax.Array, sc: SamplingConfig) -> jax.Array:
+    """Logits [..., V] -> float32 logits [..., V] after temperature, top-k, top-p (HF order).
+
+    Removed tokens get -inf. Top-k keeps every token tied with the k-th largest logit (as HF does).
+    Top-p keeps the smallest prefix of the tokens sorted by probability (descending, ties by lower id)
+    whose cumulative probability reaches top_p; the most likely token is always kept.
+    Not defined for greedy configs (use `processed_probs`).
+    """
+    x = logits.astype(jnp.float32) / sc.temperature
+    vocab = x.shape[-1]
+    if 0 < sc.top_k < vocab:
+        kth = jax.lax.top_k(x, sc.top_k)[0][..., -1:]  # [..., 1]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if sc.top_p < 1:
+        order = jnp.argsort(-x, axis=-1, stable=True)  # [..., V] descending, ties by id
+        sorted_probs = jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1)
+        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # [..., V] exclusive cumsum
+        keep_sorted = mass_before < sc.top_p  # first entry always kept (0 < top_p)
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
+        x = jnp.where(keep, x, -jnp.inf)
+    return x
+
+
+def processed_probs(logits: jax.Array, sc: SamplingConfig) -> jax.Array:
+    """The target distribution [..., V] float32 that `sample` draws from (one-hot argmax when greedy)."""
+    if sc.greedy:
+        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jax.nn.softmax(processed_logits(logits, sc), axis=-1)
+
+
+def sample(key: jax.Array, logits: jax.Array, sc: SamplingConfig) -> jax.Array:
+    """Draw token ids [...] int32 from logits [..., V]; every leading index is an independent draw."""
+    if sc.greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, processed_logits(logits, sc), axis=-1).astype(jnp.int32)
