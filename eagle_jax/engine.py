@@ -58,19 +58,19 @@ class SpecConfig:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SpecState:
-    """Carry of the generation loop (B rows, O output slots, C max cycles)."""
+    """Carry of the generation loop (B rows; every cycle of a running row emits >= 1 token)."""
 
     target_cache: KVCache
     draft_cache: KVCache
     root: jax.Array  # [B] int32: next tree root (the target's last token, not yet in its cache)
     draft_hidden: jax.Array  # [B, H] draft output at the last committed draft position
-    out: jax.Array  # [B, O] int32 generated tokens, PAD_ID past counts
+    out: jax.Array  # [B, S] int32 generated tokens, PAD_ID past counts (S = cache capacity)
     counts: jax.Array  # [B] int32
     limits: jax.Array  # [B] int32 per-row budgets
     done: jax.Array  # [B] bool
     eos: jax.Array  # [B] bool
     cycle: jax.Array  # [] int32
-    accept_lengths: jax.Array  # [C, B] int32 accepted draft tokens per cycle (-1: row not running)
+    accept_lengths: jax.Array  # [S, B] int32 accepted draft tokens per cycle (-1: row not running)
     key: jax.Array
 
 
@@ -136,9 +136,9 @@ def _is_eos(tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(cfg.eos_token_ids, tokens.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "capacity", "max_cycles"))
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "capacity"))
 def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfig, dcfg: DraftConfig,
-            spec: SpecConfig, capacity: int, max_cycles: int) -> SpecState:
+            spec: SpecConfig, capacity: int) -> SpecState:
     """Prompts [B, P] right-padded with lengths [B] -> the state before the first cycle.
 
     The target fills its cache and picks the first root; the draft reads the pairs
@@ -161,13 +161,13 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfi
         draft_cache=dcache,
         root=root,
         draft_hidden=draft_hidden,
-        out=jnp.full((b, max_cycles), PAD_ID, jnp.int32),
+        out=jnp.full((b, capacity), PAD_ID, jnp.int32),
         counts=jnp.zeros((b,), jnp.int32),
         limits=limits,
         done=limits <= 0,
         eos=jnp.zeros((b,), bool),
         cycle=jnp.int32(0),
-        accept_lengths=jnp.full((max_cycles, b), -1, jnp.int32),
+        accept_lengths=jnp.full((capacity, b), -1, jnp.int32),
         key=key,
     )
 
@@ -257,7 +257,6 @@ class Prepared:
     lengths: np.ndarray
     limits: np.ndarray
     capacity: int
-    max_cycles: int
 
 
 def prepare(prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig, capacity: int | None,
@@ -268,13 +267,13 @@ def prepare(prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig, cap
         capacity = default_capacity(prompt_bucket(longest), max_new_tokens + spec.cache_overhead)
     usable = None if capacity is None else capacity - spec.cache_overhead
     tokens, lengths, limits, _ = prepare_prompts(prompts, max_new_tokens, usable, pad_id)
-    return Prepared(tokens, lengths, limits, capacity, max(1, int(limits.max())))
+    return Prepared(tokens, lengths, limits, capacity)
 
 
 def init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity) -> SpecState:
     p = prepare(prompts, max_new_tokens, spec, capacity, tcfg.pad_token_id or 0)
     return prefill(tparams, dparams, p.tokens, p.lengths, p.limits, jax.random.key(seed), tcfg=tcfg, dcfg=dcfg,
-                   spec=spec, capacity=p.capacity, max_cycles=p.max_cycles)
+                   spec=spec, capacity=p.capacity)
 
 
 def _result(state: SpecState) -> SpecResult:
