@@ -7,9 +7,10 @@ shape; missing, unexpected and mis-shaped tensors are reported together in one l
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -22,6 +23,11 @@ from eagle_jax import target as target_model
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0].strip() if lines else type(exc).__name__
+
+
 def _torch_load(path: Path) -> dict[str, np.ndarray]:
     try:
         import torch
@@ -32,7 +38,9 @@ def _torch_load(path: Path) -> dict[str, np.ndarray]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt pickles
-        raise EagleError(f"{path}: cannot read torch checkpoint ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+        raise EagleError(
+            f"{path}: cannot read torch checkpoint ({type(exc).__name__}: {_first_line(exc)}); the file may be truncated"
+        ) from None
     out = {}
     for name, t in state.items():
         if t.dtype == torch.bfloat16:
@@ -51,7 +59,9 @@ def _safetensors_load(path: Path) -> dict[str, np.ndarray]:
         with safe_open(str(path), framework="numpy") as f:
             return {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
-        raise EagleError(f"{path}: cannot read safetensors file ({exc}); the file may be truncated") from None
+        raise EagleError(
+            f"{path}: cannot read safetensors file ({_first_line(exc)}); the file may be truncated"
+        ) from None
 
 
 def _load_file(path: Path) -> dict[str, np.ndarray]:
@@ -90,79 +100,131 @@ def read_tensors(model_dir: str | Path, progress: bool = False) -> dict[str, np.
 
 
 # ---------------------------------------------------------------- target mapping
+#
+# Each leaf of our tree is read from one HF tensor per layer (or per layer and expert). A `_Source`
+# names that tensor, its on-disk shape and how it becomes our [in, out] layout. Mixtral experts come in
+# two layouts: the published one (`block_sparse_moe.experts.{e}.w1/w2/w3.weight`, which
+# transformers 5 still writes with `save_pretrained`) and the fused in-memory one of transformers 5
+# (`mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`, `mlp.gate.weight`),
+# which a raw `state_dict()` dump contains.
+
+MOE_PER_EXPERT = "per_expert"
+MOE_FUSED = "fused"
 
 
-def _target_layer_names(cfg: TargetConfig) -> dict[str, tuple[str, bool]]:
-    """Our per-layer leaf name -> (HF name template with {i}, transpose?)."""
-    names = {
-        "attn_norm": ("input_layernorm.weight", False),
-        "q": ("self_attn.q_proj.weight", True),
-        "k": ("self_attn.k_proj.weight", True),
-        "v": ("self_attn.v_proj.weight", True),
-        "o": ("self_attn.o_proj.weight", True),
-        "mlp_norm": ("post_attention_layernorm.weight", False),
+@dataclasses.dataclass(frozen=True)
+class _Source:
+    template: str  # HF name; {i} = layer, {e} = expert (stacked on a leading axis)
+    shape: tuple[int, ...]  # on-disk shape of one tensor
+    transform: Callable[[np.ndarray], np.ndarray] = lambda t: t
+
+
+def _t(x: np.ndarray) -> np.ndarray:
+    return np.swapaxes(x, -1, -2)
+
+
+def moe_layout(names: Iterable[str]) -> str:
+    """Which Mixtral expert layout a set of tensor names uses."""
+    return MOE_FUSED if any(n.endswith(".mlp.experts.gate_up_proj") for n in names) else MOE_PER_EXPERT
+
+
+def _target_layer_sources(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> dict[str, _Source]:
+    """Our per-layer leaf name -> where it comes from in an HF checkpoint."""
+    H, I, E, D = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts, cfg.head_dim
+    q_out, kv_out = cfg.num_heads * D, cfg.num_kv_heads * D
+    src = {
+        "attn_norm": _Source("input_layernorm.weight", (H,)),
+        "q": _Source("self_attn.q_proj.weight", (q_out, H), _t),
+        "k": _Source("self_attn.k_proj.weight", (kv_out, H), _t),
+        "v": _Source("self_attn.v_proj.weight", (kv_out, H), _t),
+        "o": _Source("self_attn.o_proj.weight", (H, q_out), _t),
+        "mlp_norm": _Source("post_attention_layernorm.weight", (H,)),
     }
     if cfg.qkv_bias:
-        names.update({f"{x}_bias": (f"self_attn.{x}_proj.bias", False) for x in "qkv"})
+        src["q_bias"] = _Source("self_attn.q_proj.bias", (q_out,))
+        src["k_bias"] = _Source("self_attn.k_proj.bias", (kv_out,))
+        src["v_bias"] = _Source("self_attn.v_proj.bias", (kv_out,))
     if cfg.o_bias:
-        names["o_bias"] = ("self_attn.o_proj.bias", False)
+        src["o_bias"] = _Source("self_attn.o_proj.bias", (H,))
     if cfg.qk_norm:
-        names["q_norm"] = ("self_attn.q_norm.weight", False)
-        names["k_norm"] = ("self_attn.k_norm.weight", False)
-    if cfg.is_moe:
-        names["mlp.router"] = ("block_sparse_moe.gate.weight", True)
-        for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-            names[f"mlp.{ours}"] = (f"block_sparse_moe.experts.{{e}}.{theirs}.weight", True)
+        src["q_norm"] = _Source("self_attn.q_norm.weight", (D,))
+        src["k_norm"] = _Source("self_attn.k_norm.weight", (D,))
+    if cfg.is_moe and layout == MOE_FUSED:
+        src["mlp.router"] = _Source("mlp.gate.weight", (E, H), _t)
+        src["mlp.gate"] = _Source("mlp.experts.gate_up_proj", (E, 2 * I, H), lambda x: _t(x[:, :I]))
+        src["mlp.up"] = _Source("mlp.experts.gate_up_proj", (E, 2 * I, H), lambda x: _t(x[:, I:]))
+        src["mlp.down"] = _Source("mlp.experts.down_proj", (E, H, I), _t)
+    elif cfg.is_moe:
+        src["mlp.router"] = _Source("block_sparse_moe.gate.weight", (E, H), _t)
+        src["mlp.gate"] = _Source("block_sparse_moe.experts.{e}.w1.weight", (I, H), _t)
+        src["mlp.up"] = _Source("block_sparse_moe.experts.{e}.w3.weight", (I, H), _t)
+        src["mlp.down"] = _Source("block_sparse_moe.experts.{e}.w2.weight", (H, I), _t)
     else:
-        for x in ("gate", "up", "down"):
-            names[f"mlp.{x}"] = (f"mlp.{x}_proj.weight", True)
-    return names
+        src["mlp.gate"] = _Source("mlp.gate_proj.weight", (I, H), _t)
+        src["mlp.up"] = _Source("mlp.up_proj.weight", (I, H), _t)
+        src["mlp.down"] = _Source("mlp.down_proj.weight", (H, I), _t)
+    return src
 
 
-def target_hf_names(cfg: TargetConfig) -> list[str]:
-    """Flat HF tensor names expected for this config."""
-    expected = ["model.embed_tokens.weight", "model.norm.weight"]
+def _names(template: str, cfg: TargetConfig, i: int) -> list[str]:
+    experts = range(cfg.num_experts) if "{e}" in template else [None]
+    return [f"model.layers.{i}.{template.format(e=e)}" for e in experts]
+
+
+def target_hf_shapes(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> on-disk shape, for every tensor this config expects."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    shapes = {"model.embed_tokens.weight": (V, H), "model.norm.weight": (H,)}
     if not cfg.tie_word_embeddings:
-        expected.append("lm_head.weight")
+        shapes["lm_head.weight"] = (V, H)
+    sources = _target_layer_sources(cfg, layout)
     for i in range(cfg.num_layers):
-        for template, _ in _target_layer_names(cfg).values():
-            experts = range(cfg.num_experts) if "{e}" in template else [None]
-            expected += [f"model.layers.{i}.{template.format(e=e)}" for e in experts]
-    return expected
+        for s in sources.values():
+            shapes.update({name: s.shape for name in _names(s.template, cfg, i)})
+    return shapes
+
+
+def target_hf_names(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> list[str]:
+    """Flat HF tensor names expected for this config."""
+    return list(target_hf_shapes(cfg, layout))
 
 
 def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig, where: str,
                                dtype=None) -> dict:
-    """Map HF tensors onto the target parameter tree, checking names and shapes against the specs."""
+    """Map HF tensors onto the target parameter tree, checking every name and shape first."""
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    expected = set(target_hf_names(cfg))
-    missing = sorted(expected - set(tensors))
-    unexpected = sorted(set(tensors) - expected)
-    if missing or unexpected:
+    layout = moe_layout(tensors) if cfg.is_moe else MOE_PER_EXPERT
+    expected = target_hf_shapes(cfg, layout)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshaped = [
+        f"{k} {tuple(np.shape(tensors[k]))} (expected {expected[k]})"
+        for k in sorted(set(expected) & set(tensors))
+        if tuple(np.shape(tensors[k])) != expected[k]
+    ]
+    if missing or unexpected or misshaped:
         parts = []
         if missing:
             parts.append(f"missing {_summarise(missing)}")
         if unexpected:
             parts.append(f"unexpected {_summarise(unexpected)}")
+        if misshaped:
+            parts.append(f"mis-shaped {_summarise(misshaped)}")
         raise EagleError(f"{where}: weights do not match config.json ({'; '.join(parts)})")
 
     def cast(x: np.ndarray) -> np.ndarray:
-        return x if dtype is None else np.asarray(x).astype(dtype)
+        return np.asarray(x) if dtype is None else np.asarray(x).astype(dtype)
 
     flat = {"embed": cast(tensors["model.embed_tokens.weight"]), "final_norm": cast(tensors["model.norm.weight"])}
     if not cfg.tie_word_embeddings:
         flat["lm_head"] = cast(tensors["lm_head.weight"]).T
-    for ours, (template, transpose) in _target_layer_names(cfg).items():
+    for ours, s in _target_layer_sources(cfg, layout).items():
         per_layer = []
         for i in range(cfg.num_layers):
-            if "{e}" in template:
-                mats = [tensors[f"model.layers.{i}.{template.format(e=e)}"] for e in range(cfg.num_experts)]
-                per_layer.append(np.stack([m.T if transpose else m for m in mats]))
-            else:
-                t = tensors[f"model.layers.{i}.{template}"]
-                per_layer.append(t.T if transpose else t)
+            parts = [tensors[name] for name in _names(s.template, cfg, i)]
+            per_layer.append(s.transform(np.stack(parts) if "{e}" in s.template else parts[0]))
         flat[f"layers.{ours}"] = cast(np.stack(per_layer))
     params = unflatten_dict(flat)
     check_against_specs(params, target_model.param_specs(cfg), where)
