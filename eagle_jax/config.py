@@ -93,14 +93,18 @@ def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     scaling = dict(cfg.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = float(merged.get("rope_theta", _get(cfg, "rope_theta", 10000.0)))
+    field = "rope_parameters" if params else "rope_scaling"
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise EagleError(
-            f"rope_scaling.rope_type={rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
+            f"{field}.rope_type={rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
         )
     for key in ("attention_factor", "beta_fast", "beta_slow", "mrope_section"):
         if merged.get(key) is not None:
-            raise EagleError(f"rope_scaling.{key} is not supported by rope_type {rope_type!r}")
+            raise EagleError(f"{field}.{key} is not supported by rope_type {rope_type!r}")
+    partial = merged.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is not None and float(partial) != 1.0:
+        raise EagleError(f"partial_rotary_factor={partial} is not supported (only full rotary embeddings)")
     max_pos = int(_get(cfg, "max_position_embeddings", 2048))
     return RopeConfig(
         theta=theta,
