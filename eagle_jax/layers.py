@@ -18,7 +18,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int, positions: jax.Array) -> jax.Array:
-    """Inverse frequencies [D/2] for the rope type; `dynamic` scales with the largest position seen."""
+    """Inverse frequencies [D/2] for the rope type.
+
+    `dynamic` (NTK) depends on this call's largest position over the whole batch, as transformers does
+    for a fresh model: with seq_len = max(positions) + 1, the base becomes
+    theta * (factor * seq_len / max_pos - (factor - 1)) ** (D / (D - 2)) once seq_len > max_pos, and
+    stays theta below that. Keys already in a cache keep the rotation they were written with (as in HF);
+    unlike HF's module, nothing is remembered between calls.
+    """
     exponent = jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim
     inv = 1.0 / (rope.theta**exponent)
     if rope.rope_type == "linear":
