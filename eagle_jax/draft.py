@@ -164,11 +164,7 @@ def forward(
     ck, cv = cache.k, cache.v
     if c.kind == "eagle3":
         p = params["layers"][0]
-        residual = hidden
-        x = jnp.concatenate(
-            [rms_norm(emb, p["input_norm"], c.rms_norm_eps), rms_norm(hidden, p["hidden_norm"], c.rms_norm_eps)], -1
-        )
-        x, ck, cv = _layer(p, c, x, residual, positions, ck, cv, 0, slots, full_mask)
+        x, ck, cv = _layer(p, c, eagle3_input(p, c, emb, hidden), hidden, positions, ck, cv, 0, slots, full_mask)
     else:
         x = linear(jnp.concatenate([emb, hidden], -1), params["fc"], params.get("fc_bias"))
         for i, p in enumerate(params["layers"]):
@@ -177,16 +173,34 @@ def forward(
     return x, dataclasses.replace(cache, k=ck, v=cv)
 
 
-def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, layer: int, slots, mask):
-    """Attention on the (already normed) input x with `residual`, then post-norm SwiGLU MLP."""
+def eagle3_input(p: dict, c: DraftConfig, emb: jax.Array, hidden: jax.Array) -> jax.Array:
+    """EAGLE-3 attention input [B, T, 2H]: concat(input_layernorm(emb), hidden_norm(hidden)), embedding first."""
+    return jnp.concatenate(
+        [rms_norm(emb, p["input_norm"], c.rms_norm_eps), rms_norm(hidden, p["hidden_norm"], c.rms_norm_eps)], -1
+    )
+
+
+def qkv(p: dict, c: DraftConfig, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Rotated queries [B, T, N, D] and keys, values [B, T, KV, D] of the (already normed) input x."""
     b, t, _ = x.shape
     q = apply_rope(linear(x, p["q"]).reshape(b, t, c.num_heads, c.head_dim), positions, c.rope)
     k = apply_rope(linear(x, p["k"]).reshape(b, t, c.num_kv_heads, c.head_dim), positions, c.rope)
     v = linear(x, p["v"]).reshape(b, t, c.num_kv_heads, c.head_dim)
+    return q, k, v
+
+
+def post_attention(p: dict, c: DraftConfig, attn: jax.Array, residual: jax.Array) -> jax.Array:
+    """o_proj of the attention output [B, T, N, D], `+ residual`, then post-norm SwiGLU MLP + residual."""
+    b, t = attn.shape[:2]
+    h = residual + linear(attn.reshape(b, t, -1), p["o"])
+    return h + swiglu(rms_norm(h, p["mlp_norm"], c.rms_norm_eps), p["mlp"])
+
+
+def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, layer: int, slots, mask):
+    """One cached decoder layer on the (already normed) input x with `residual`."""
+    q, k, v = qkv(p, c, x, positions)
     ck, cv = kv_cache.write(ck, cv, layer, slots, k, v)
-    attn = linear(attend(q, ck[layer], cv[layer], mask).reshape(b, t, -1), p["o"])
-    h = residual + attn
-    return h + swiglu(rms_norm(h, p["mlp_norm"], c.rms_norm_eps), p["mlp"]), ck, cv
+    return post_attention(p, c, attend(q, ck[layer], cv[layer], mask), residual), ck, cv
 
 
 def logits(params: dict, c: DraftConfig, out: jax.Array, target_head: jax.Array | None) -> jax.Array:
