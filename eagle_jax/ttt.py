@@ -1,0 +1,243 @@
+"""EAGLE-3 training objective: training-time test (TTT), with the official traineagle3 conventions.
+
+For a right-padded batch, the frozen target gives fused features [B, T, 3Ht] and logits [B, T, V]
+(`target_batch`). The draft then unrolls `steps` steps (`ttt_loss`); `shift(x, k)[t] = x[t+k]`, zero
+past the end. At step j, position t:
+- token `shift(input_ids, j+1)`, hidden input fc(features) at j = 0 and the previous step's pre-norm
+  output afterwards, rope position t + j (base and scaling from the head's config);
+- attention: the step-0 keys at s <= t with attention_mask[s] = 1, plus the keys of steps 1..j at the
+  same t, under one softmax;
+- target `p = softmax(shift(target_logits, j+1)[..., draft columns])` (increasing target id), gated by
+  `t2d[argmax over the full vocab] * shift(loss_mask, j)` (the mask is *not* shifted with the target);
+- loss `-sum(mask * sum(p * log_softmax(draft logits))) / (B*T)` (a mean over all positions);
+  accuracy `sum(mask * [argmax draft == argmax p]) / (sum shift(loss_mask, j) + 1e-6)`.
+Total loss `sum_j step_weight**j * loss_j`. Gradients reach only the draft's float parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax import draft, target
+from eagle_jax.config import TargetConfig
+from eagle_jax.draft import DraftConfig
+from eagle_jax.errors import EagleError
+from eagle_jax.layers import attend
+
+VOCAB_MAP_KEYS = ("d2t", "t2d")
+
+
+def target_batch(
+    target_params: dict, tcfg: TargetConfig, input_ids: jax.Array, attention_mask: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Frozen target on a right-padded batch [B, T] -> (features [B, T, 3Ht], logits [B, T, V] f32).
+
+    Mask: causal plus key padding (a padded query sees the real prefix, not itself); positions 0..T-1.
+    """
+    b, t = input_ids.shape
+    mask = target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]  # [B, T, T]
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache = target.init_cache(tcfg, b, t, target_params["embed"].dtype)
+    out = target.forward(target_params, tcfg, input_ids, positions, cache, mask)
+    return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.logits)
+
+
+def draft_columns(draft_params: dict, dcfg: DraftConfig) -> jax.Array:
+    """Target ids of the draft vocabulary in draft-id order [Vd] (= the t2d columns, increasing)."""
+    return draft.to_target_ids(draft_params, dcfg, jnp.arange(dcfg.draft_vocab_size))
+
+
+def _step_targets(draft_params: dict, dcfg: DraftConfig, target_logits: jax.Array):
+    """Unshifted target side: p [B, T, Vd], argmax p [B, T], t2d[argmax logits] [B, T] bool, and that
+    flag for a zero (past-the-end) row."""
+    draft_params = jax.tree.map(jnp.asarray, draft_params)
+    logits = jax.lax.stop_gradient(target_logits).astype(jnp.float32)  # [B, T, V]
+    p = jax.nn.softmax(jnp.take(logits, draft_columns(draft_params, dcfg), axis=-1), axis=-1)  # [B, T, Vd]
+    full_argmax = jnp.argmax(logits, axis=-1)  # [B, T]
+    if dcfg.has_vocab_map:
+        t2d = draft_params["t2d"]
+        in_vocab, zero_row_in_vocab = t2d[full_argmax], t2d[0]
+    else:
+        in_vocab, zero_row_in_vocab = jnp.ones(full_argmax.shape, bool), True
+    return p, jnp.argmax(p, axis=-1), in_vocab, zero_row_in_vocab
+
+
+def _pad_end(x: jax.Array, n: int, fill) -> jax.Array:
+    """Append n rows of `fill` along the time axis: [B, T, ...] -> [B, T + n, ...]."""
+    x = jnp.asarray(x)
+    return jnp.concatenate([x, jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)], axis=1)
+
+
+def position_masks(
+    draft_params: dict, dcfg: DraftConfig, target_logits: jax.Array, loss_mask: jax.Array, steps: int = 7
+) -> jax.Array:
+    """position_mask_j [steps, B, T] f32: t2d[argmax shift(target_logits, j+1)] * shift(loss_mask, j)."""
+    _, _, in_vocab, zero_in = _step_targets(draft_params, dcfg, target_logits)
+    in_vocab = _pad_end(in_vocab, steps, zero_in)  # [B, T + S]
+    lm = _pad_end(jnp.asarray(loss_mask, jnp.float32), steps, 0.0)  # [B, T + S]
+    t = loss_mask.shape[1]
+    return jnp.stack([in_vocab[:, j + 1: j + 1 + t] * lm[:, j: j + t] for j in range(steps)])
+
+
+def _ttt_attend(q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array,
+                kd: jax.Array, vd: jax.Array, valid: jax.Array) -> jax.Array:
+    """Attention of a step-j query q [B, T, N, D] over the union, under one softmax, of
+    - the step-0 keys/values k0, v0 [B, T, KV, D] allowed by mask0 [B, T, T], and
+    - the keys/values of steps 1..S at the query's own position, kd, vd [B, S, T, KV, D], where only
+      the slots with valid [S] (steps 1..j) count.  -> [B, T, N, D]."""
+    b, t, n, d = q.shape
+    kv = k0.shape[2]
+    q = q.reshape(b, t, kv, n // kv, d)
+    floor = jnp.finfo(jnp.float32).min
+    block = jnp.einsum("btkgd,bskd->bkgts", q, k0, preferred_element_type=jnp.float32) / math.sqrt(d)
+    block = jnp.where(mask0[:, None, None], block, floor)  # [B, KV, G, T, T]
+    diag = jnp.einsum("btkgd,bjtkd->bkgtj", q, kd, preferred_element_type=jnp.float32) / math.sqrt(d)
+    diag = jnp.where(valid, diag, floor)  # [B, KV, G, T, S]
+    # softmax over [block, diag] without concatenating them
+    top = jax.lax.stop_gradient(jnp.maximum(block.max(-1, keepdims=True), diag.max(-1, keepdims=True)))
+    e_block, e_diag = jnp.exp(block - top), jnp.exp(diag - top)
+    norm = e_block.sum(-1, keepdims=True) + e_diag.sum(-1, keepdims=True)
+    p_block, p_diag = (e_block / norm).astype(v0.dtype), (e_diag / norm).astype(v0.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", p_block, v0) + jnp.einsum("bkgtj,bjtkd->btkgd", p_diag, vd)
+    return out.reshape(b, t, n, d)
+
+
+def ttt_loss(
+    draft_params: dict,
+    dcfg: DraftConfig,
+    embed: jax.Array,
+    features: jax.Array,
+    target_logits: jax.Array,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    loss_mask: jax.Array,
+    steps: int = 7,
+    step_weight: float = 0.8,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Official EAGLE-3 TTT objective -> (sum_j step_weight**j * plosses[j] (f32), metrics).
+
+    embed [V, H] (frozen target embedding), features [B, T, 3Ht], target_logits [B, T, V],
+    input_ids / attention_mask / loss_mask [B, T]. Metrics, each [steps]: `plosses` f32, `acces` f32
+    (`accuracies` gives the exact float64 values), `n_correct`, `n_counted` (positions with mask 1)
+    and `loss_mask_sum` (the accuracy denominator without 1e-6), int32.
+    Steps 1.. run as one `lax.scan`. Jit with `static_argnames=("dcfg", "steps", "step_weight")`.
+    """
+    if dcfg.kind != "eagle3":
+        raise EagleError(f"TTT trains EAGLE-3 heads, got a {dcfg.kind} config")
+    if steps < 1:
+        raise EagleError(f"steps={steps}: TTT needs at least one step")
+    b, t = input_ids.shape
+    p = draft_params["layers"][0]
+    embed = jax.lax.stop_gradient(embed)
+    probs, target_argmax, in_vocab, zero_in = _step_targets(draft_params, dcfg, target_logits)
+    # padded at the end so that step j reads rows [j+1, j+1+T) (the zero-filled shift)
+    tokens = _pad_end(input_ids, steps, 0)  # [B, T + S]
+    probs = _pad_end(probs, steps, 1.0 / dcfg.draft_vocab_size)  # [B, T + S, Vd]; softmax of a zero row
+    target_argmax = _pad_end(target_argmax, steps, 0)  # [B, T + S]; argmax of a zero row
+    in_vocab = _pad_end(in_vocab, steps, zero_in)  # [B, T + S]
+    lm = _pad_end(loss_mask.astype(jnp.float32), steps, 0.0)  # [B, T + S]
+    mask0 = target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]  # [B, T, T]
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+
+    def window(x: jax.Array, start) -> jax.Array:  # rows [start, start + T)
+        return jax.lax.dynamic_slice_in_dim(x, start, t, axis=1)
+
+    def step_input(h: jax.Array, j):
+        emb = embed[window(tokens, j + 1)].astype(h.dtype)  # [B, T, H]
+        return draft.qkv(p, dcfg, draft.eagle3_input(p, dcfg, emb, h), positions + j)
+
+    def step_loss(h: jax.Array, j) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        logits = draft.logits(draft_params, dcfg, h, None)  # [B, T, Vd] f32
+        logq = jax.nn.log_softmax(logits, axis=-1)
+        lm_j = window(lm, j)  # [B, T]
+        mask_j = window(in_vocab, j + 1) * lm_j  # [B, T]
+        loss = -jnp.sum(mask_j * jnp.sum(window(probs, j + 1) * logq, axis=-1)) / (b * t)
+        hit = jnp.argmax(logits, axis=-1) == window(target_argmax, j + 1)
+        count = lambda x: jnp.sum(x).astype(jnp.int32)  # noqa: E731
+        return loss, count(hit * mask_j), count(mask_j), count(lm_j)
+
+    features = jax.lax.stop_gradient(features).astype(draft_params["fc"].dtype)  # compute in the draft's dtype
+    h = draft.project_features(draft_params, dcfg, features)  # [B, T, H]
+    q, k0, v0 = step_input(h, 0)
+    h = draft.post_attention(p, dcfg, attend(q, k0, v0, mask0), h)
+    first = step_loss(h, 0)
+
+    def later_step(carry, j):
+        h, kd, vd = carry
+        q, k, v = step_input(h, j)
+        kd = kd.at[:, j - 1].set(k)
+        vd = vd.at[:, j - 1].set(v)
+        attn = _ttt_attend(q, k0, v0, mask0, kd, vd, jnp.arange(steps - 1) < j)
+        h = draft.post_attention(p, dcfg, attn, h)
+        return (h, kd, vd), step_loss(h, j)
+
+    parts = [tuple(x[None] for x in first)]
+    if steps > 1:
+        buf = jnp.zeros((b, steps - 1) + k0.shape[1:], k0.dtype)  # [B, S-1, T, KV, D]
+        parts.append(jax.lax.scan(later_step, (h, buf, buf), jnp.arange(1, steps))[1])
+    plosses, n_correct, n_counted, lm_sums = (jnp.concatenate(xs) for xs in zip(*parts))
+    total = jnp.sum(plosses * step_weight ** jnp.arange(steps, dtype=jnp.float32))
+    metrics = {
+        "plosses": plosses,
+        "acces": n_correct.astype(jnp.float32) / (lm_sums.astype(jnp.float32) + 1e-6),
+        "n_correct": n_correct,
+        "n_counted": n_counted,
+        "loss_mask_sum": lm_sums,
+    }
+    return total, metrics
+
+
+def split_trainable(draft_params: dict) -> tuple[dict, dict]:
+    """(trainable float parameters, frozen vocabulary map {'d2t', 't2d'} or {})."""
+    trainable = {k: v for k, v in draft_params.items() if k not in VOCAB_MAP_KEYS}
+    return trainable, {k: draft_params[k] for k in VOCAB_MAP_KEYS if k in draft_params}
+
+
+def ttt_value_and_grad(draft_params: dict, dcfg: DraftConfig, *args, **kwargs):
+    """(total loss, metrics, grads); grads cover `split_trainable(draft_params)[0]`. Args as `ttt_loss`."""
+    trainable, vocab_map = split_trainable(draft_params)
+    fn = lambda tr: ttt_loss({**tr, **vocab_map}, dcfg, *args, **kwargs)  # noqa: E731
+    (total, metrics), grads = jax.value_and_grad(fn, has_aux=True)(trainable)
+    return total, metrics, grads
+
+
+def accuracies(metrics: dict) -> np.ndarray:
+    """Per-step accuracies [steps] in float64, exactly as upstream: n_correct / (sum lm_j + 1e-6)."""
+    return np.asarray(metrics["n_correct"], np.float64) / (np.asarray(metrics["loss_mask_sum"], np.float64) + 1e-6)
+
+
+def simulated_tau(acces: jax.Array) -> jax.Array:
+    """Acceptance length a chain draft would reach: 1 + sum_k prod_{i<=k} acc_i."""
+    return 1.0 + jnp.sum(jnp.cumprod(jnp.asarray(acces)))
+
+
+def build_vocab_map(
+    token_counts: np.ndarray, draft_vocab_size: int, first_seen: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Draft vocabulary from loss-masked token counts [V] -> (d2t int32 [Vd], t2d bool [V]).
+
+    Upstream: `Counter.most_common(Vd)` over the loss-masked tokens, ids sorted, d2t[i] = used[i] - i,
+    t2d[v] = v in used. most_common breaks count ties by insertion order, i.e. by first occurrence in
+    the scan; pass `first_seen` [V] (that occurrence's index, any order-preserving key) to reproduce it;
+    without it ties go to the lower token id. Upstream keeps only seen tokens, so with fewer than Vd it
+    builds a map shorter than the head's lm_head and training fails at the first loss (a shape
+    mismatch); this raises instead.
+    """
+    counts = np.asarray(token_counts, np.int64)
+    seen = np.flatnonzero(counts > 0)
+    if len(seen) < draft_vocab_size:
+        raise EagleError(
+            f"only {len(seen)} distinct tokens occur under the loss mask, fewer than draft_vocab_size="
+            f"{draft_vocab_size}; use a smaller draft vocabulary or more data"
+        )
+    tie = seen if first_seen is None else np.asarray(first_seen)[seen]
+    ranked = seen[np.lexsort((tie, -counts[seen]))]  # by count desc, then tie key asc
+    used = np.sort(ranked[:draft_vocab_size])
+    d2t = (used - np.arange(draft_vocab_size)).astype(np.int32)
+    t2d = np.zeros(counts.shape[0], bool)
+    t2d[used] = True
+    return d2t, t2d
