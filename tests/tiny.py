@@ -1,0 +1,84 @@
+"""Tiny random targets and draft heads for tests (no files, no downloads)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle_jax import draft, target
+from eagle_jax.config import RopeConfig, TargetConfig
+from eagle_jax.draft import DraftConfig
+from eagle_jax.spec import init_params
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
+
+
+def tiny_target_config(family: str = "llama", vocab: int = 64, layers: int = 8, tied: bool = False,
+                       hidden: int = 32, heads: int = 4, kv_heads: int = 2, eos: tuple[int, ...] = ()) -> TargetConfig:
+    return TargetConfig(
+        family=family,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads if family != "qwen3" else 16,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        tie_word_embeddings=tied,
+        qkv_bias=family == "qwen2",
+        qk_norm=family == "qwen3",
+        num_experts=4 if family == "mixtral" else 0,
+        experts_per_token=2 if family == "mixtral" else 0,
+        eos_token_ids=eos,
+        pad_token_id=0,
+    )
+
+
+def random_params(specs: dict, seed: int, scale: float = 0.3) -> dict:
+    """Random parameters with a larger scale than training init, so argmaxes are well separated."""
+    params = init_params(specs, jax.random.key(seed))
+
+    def rescale(x):
+        return x * (scale / 0.02) if jnp.issubdtype(x.dtype, jnp.floating) and x.ndim >= 2 else x
+
+    return jax.tree.map(rescale, params)
+
+
+def tiny_target(family: str = "llama", seed: int = 0, **kw) -> tuple[TargetConfig, dict]:
+    cfg = tiny_target_config(family, **kw)
+    return cfg, random_params(target.param_specs(cfg), seed)
+
+
+def tiny_draft(kind: str, tcfg: TargetConfig, seed: int = 1, draft_vocab: int | None = None) -> tuple[DraftConfig, dict]:
+    """A random head fitting `tcfg`; EAGLE-3 with a vocabulary map when draft_vocab < vocab."""
+    vd = draft_vocab or tcfg.vocab_size
+    cfg = DraftConfig(
+        kind=kind,
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=2 * tcfg.hidden_size,
+        num_layers=1,
+        num_heads=tcfg.num_heads,
+        num_kv_heads=tcfg.num_kv_heads,
+        head_dim=tcfg.hidden_size // tcfg.num_heads,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=10000.0),
+        vocab_size=tcfg.vocab_size,
+        draft_vocab_size=vd if kind == "eagle3" else tcfg.vocab_size,
+        target_hidden_size=tcfg.hidden_size,
+        fc_bias=kind == "eagle1",
+    )
+    params = random_params(draft.param_specs(cfg), seed)
+    if cfg.has_vocab_map:
+        used = np.sort(np.random.default_rng(seed).choice(tcfg.vocab_size, vd, replace=False))
+        params["d2t"] = jnp.asarray(used - np.arange(vd), jnp.int32)
+        params["t2d"] = jnp.asarray(np.isin(np.arange(tcfg.vocab_size), used))
+    return cfg, params
+
+
+def with_eos(cfg: TargetConfig, eos: tuple[int, ...]) -> TargetConfig:
+    return dataclasses.replace(cfg, eos_token_ids=eos)
