@@ -1,0 +1,71 @@
+"""Shared command-line plumbing: one-line errors and warnings, exit code 2 for bad input.
+
+Every entry point does
+
+    def main(argv=None) -> int:
+        return cli.run(_main, argv)
+
+    if __name__ == "__main__":
+        sys.exit(main())
+
+where `_main(argv)` parses its flags with `cli.ArgumentParser` and raises `EagleError` for bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from typing import Callable, NoReturn, Sequence
+
+from eagle_jax.errors import EagleError
+
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors (unknown flag, bad choice, missing value) raise `EagleError`."""
+
+    def error(self, message: str) -> NoReturn:
+        raise EagleError(f"{self.prog}: {message} (see --help)")
+
+
+def warn(message: str) -> None:
+    """Print a one-line warning to stderr."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    warn(str(message).splitlines()[0] if str(message).strip() else category.__name__)
+
+
+def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
+    """Call `main(argv)`; an `EagleError` becomes `error: ...` on stderr and exit code 2.
+
+    Python warnings raised meanwhile (e.g. a clamped token budget) print as one `warning:` line.
+    """
+    previous = warnings.showwarning
+    warnings.showwarning = _show_warning
+    try:
+        return int(main(argv) or 0)
+    except EagleError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        warnings.showwarning = previous
+
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def parse_dtype(name: str | None):
+    """'bf16' | 'fp16' | 'fp32' -> a numpy dtype (bfloat16 via ml_dtypes); None stays None (keep the stored dtype)."""
+    if name is None:
+        return None
+    import jax.numpy as jnp
+
+    return jnp.dtype(DTYPES[name])

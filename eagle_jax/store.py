@@ -1,0 +1,267 @@
+"""One checkpoint directory for a target, its draft head, both configs and the tokenizer.
+
+Layout of a store directory:
+
+    eagle_jax.json   manifest: format, the raw HF config of the target (+ generation config), the raw
+                     config.json of the draft head, the head's kind and the stored dtypes
+    target/          orbax checkpoint of the target parameter tree (optional)
+    draft/           orbax checkpoint of the draft parameter tree (optional)
+    tokenizer/       the target's tokenizer files, loadable with `AutoTokenizer.from_pretrained`
+
+Restores build the abstract parameter tree from the configs' `param_specs`, so a store restores to
+host (numpy) or straight onto a device mesh: each leaf gets the `NamedSharding` its logical axes map
+to and orbax reads only the slices each device holds. Training runs save their head with
+`save_draft` into the same format; `convert.orbax_to_torch` exports either kind of store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from tqdm import tqdm
+
+from eagle_jax import draft as draft_model
+from eagle_jax import target as target_model
+from eagle_jax.config import TargetConfig, read_json, target_config_from_hf
+from eagle_jax.draft import DraftConfig, check_fits, draft_config_from_hf
+from eagle_jax.errors import EagleError
+from eagle_jax.sharding import logical_sharding
+from eagle_jax.spec import ParamSpec, is_spec, map_specs, with_dtype
+
+FORMAT = "eagle-jax-store/1"
+MANIFEST = "eagle_jax.json"
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "config.json",
+    "generation_config.json",
+)  # fmt: skip
+
+PyTree = Any
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetPart:
+    """A target to store: its raw HF config.json (+ generation_config.json) and parameters."""
+
+    config: dict
+    params: PyTree
+    generation_config: dict | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftPart:
+    """A draft head to store: its raw official config.json, its kind and parameters."""
+
+    config: dict
+    kind: str
+    params: PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    target_config: dict | None
+    generation_config: dict | None
+    draft_config: dict | None
+    draft_kind: str | None
+    target_dtype: str | None
+    draft_dtype: str | None
+    format: str = FORMAT
+
+
+def is_store(path: str | Path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    path = Path(path)
+    if not path.is_dir():
+        raise EagleError(f"{path}: directory not found")
+    raw = read_json(path / MANIFEST)
+    if raw.get("format") != FORMAT:
+        raise EagleError(f"{path / MANIFEST}: format {raw.get('format')!r} is not {FORMAT!r}")
+    try:
+        return Manifest(**raw)
+    except TypeError as exc:
+        raise EagleError(f"{path / MANIFEST}: not a valid manifest ({exc})") from None
+
+
+def tokenizer_dir(path: str | Path) -> Path | None:
+    """The store's tokenizer directory, if it holds one."""
+    tok = Path(path) / "tokenizer"
+    return tok if tok.is_dir() else None
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _float_dtype(params: PyTree) -> str | None:
+    dtypes = {str(np.dtype(x.dtype)) for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)}
+    if len(dtypes) > 1:
+        raise EagleError(f"parameters mix floating dtypes {sorted(dtypes)}; cast them to one dtype before saving")
+    return dtypes.pop() if dtypes else None
+
+
+def _flat(tree: PyTree) -> dict[str, Any]:
+    """'layers.0.q' -> leaf, for trees of dicts and lists whose leaves are specs or arrays."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: is_spec(x) or hasattr(x, "shape"))[0]
+    return {jax.tree_util.keystr(p, simple=True, separator="."): x for p, x in leaves}
+
+
+def _check_shapes(found: PyTree, specs: PyTree, where: str) -> None:
+    """One error naming every missing, unexpected or mis-shaped leaf of `found` against `specs`."""
+    have, want = _flat(found), _flat(specs)
+    problems = []
+    if missing := sorted(set(want) - set(have)):
+        problems.append("missing " + ", ".join(missing))
+    if unexpected := sorted(set(have) - set(want)):
+        problems.append("unexpected " + ", ".join(unexpected))
+    misshaped = [f"{k} {tuple(have[k].shape)} != {want[k].shape}" for k in sorted(set(have) & set(want))
+                 if tuple(have[k].shape) != tuple(want[k].shape)]
+    if misshaped:
+        problems.append("mis-shaped " + ", ".join(misshaped))
+    if problems:
+        raise EagleError(f"{where}: parameters do not match the config ({'; '.join(problems)})")
+
+
+def _checkpointer():
+    import orbax.checkpoint as ocp
+
+    return ocp.Checkpointer(ocp.StandardCheckpointHandler())
+
+
+def _nbytes(params: PyTree) -> int:
+    return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+
+
+def save(out: str | Path, target: TargetPart | None = None, draft: DraftPart | None = None,
+         tokenizer_from: str | Path | None = None, overwrite: bool = False, progress: bool = True) -> Path:
+    """Write a store; parameters are checked against their configs first.
+
+    The store is written next to `out` and renamed into place, so `out` is never half-written.
+    """
+    import orbax.checkpoint as ocp
+
+    out = Path(out).absolute()
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise EagleError(f"{out}: already exists and is not empty; choose another --out or pass --overwrite")
+    parts: dict[str, PyTree] = {}
+    if target is not None:
+        tcfg = target_config_from_hf(target.config, target.generation_config)
+        _check_shapes(target.params, target_model.param_specs(tcfg), "target")
+        parts["target"] = target.params
+    if draft is not None:
+        dcfg = draft_config_from_hf(draft.config, draft.kind)
+        _check_shapes(draft.params, draft_model.param_specs(dcfg), "draft")
+        if target is not None:
+            check_fits(dcfg, tcfg, "draft")
+        parts["draft"] = draft.params
+    if not parts:
+        raise EagleError("nothing to save: give a target, a draft or both")
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    ckpt = _checkpointer()
+    with tqdm(total=sum(_nbytes(p) for p in parts.values()), unit="B", unit_scale=True, desc=f"saving {out.name}",
+              disable=not progress) as bar:
+        for name, params in parts.items():
+            bar.set_postfix_str(name)
+            ckpt.save(tmp / name, args=ocp.args.StandardSave(params))
+            bar.update(_nbytes(params))
+    manifest = Manifest(
+        target_config=target.config if target else None,
+        generation_config=target.generation_config if target else None,
+        draft_config=draft.config if draft else None,
+        draft_kind=draft.kind if draft else None,
+        target_dtype=_float_dtype(target.params) if target else None,
+        draft_dtype=_float_dtype(draft.params) if draft else None,
+    )
+    (tmp / MANIFEST).write_text(json.dumps(dataclasses.asdict(manifest), indent=2) + "\n")
+    if tokenizer_from is not None:
+        files = [Path(tokenizer_from) / f for f in TOKENIZER_FILES if (Path(tokenizer_from) / f).is_file()]
+        if files:
+            (tmp / "tokenizer").mkdir()
+            for f in files:
+                shutil.copy2(f, tmp / "tokenizer" / f.name)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def save_draft(out: str | Path, config: dict, params: PyTree, kind: str | None = None,
+               overwrite: bool = True, progress: bool = False) -> Path:
+    """Save a draft head alone (e.g. from a training run). kind defaults to the one its parameters imply."""
+    kind = kind or ("eagle3" if "lm_head" in params else "eagle1")
+    return save(out, draft=DraftPart(config, kind, jax.device_get(params)), overwrite=overwrite, progress=progress)
+
+
+# ---------------------------------------------------------------- restoring
+
+
+def _restore(path: Path, specs: PyTree, mesh: Mesh | None) -> PyTree:
+    """Restore a parameter tree: numpy without a mesh, else arrays sharded by the specs' logical axes."""
+    import orbax.checkpoint as ocp
+
+    if not path.is_dir():
+        raise EagleError(f"{path}: checkpoint directory not found")
+
+    def abstract(s: ParamSpec) -> jax.ShapeDtypeStruct:
+        sharding = logical_sharding(s.shape, s.axes, mesh) if mesh is not None else None
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+
+    ckpt = _checkpointer()
+    try:
+        stored = ckpt.metadata(path).item_metadata.tree
+    except Exception as exc:  # orbax raises several types for unreadable metadata
+        raise EagleError(f"{path}: not a readable orbax checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    _check_shapes(stored, specs, str(path))
+    try:
+        return ckpt.restore(path, args=ocp.args.StandardRestore(map_specs(abstract, specs)))
+    except Exception as exc:  # missing or truncated array files
+        raise EagleError(f"{path}: cannot restore ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+
+
+def _in_dtype(specs: PyTree, requested: Any, stored: str | None) -> PyTree:
+    """Specs with floating leaves in `requested`, else in the stored dtype."""
+    dtype = requested if requested is not None else (np.dtype(stored) if stored else None)
+    return specs if dtype is None else with_dtype(specs, dtype)
+
+
+def load_target_store(path: str | Path, dtype: Any = None, mesh: Mesh | None = None) -> tuple[TargetConfig, PyTree]:
+    """(config, params) of a store's target; dtype None keeps the stored one."""
+    path = Path(path)
+    m = read_manifest(path)
+    if m.target_config is None:
+        raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
+    cfg = target_config_from_hf(m.target_config, m.generation_config)
+    specs = _in_dtype(target_model.param_specs(cfg), dtype, m.target_dtype)
+    return cfg, _restore(path / "target", specs, mesh)
+
+
+def load_draft_store(path: str | Path, target: TargetConfig | None = None, kind: str | None = None,
+                     dtype: Any = None, mesh: Mesh | None = None) -> tuple[DraftConfig, PyTree]:
+    """(config, params) of a store's draft head, checked to fit `target` when given.
+
+    `kind` forces the head kind (a mismatch with the stored kind is an error).
+    """
+    path = Path(path)
+    m = read_manifest(path)
+    if m.draft_config is None:
+        raise EagleError(f"{path}: this store holds no draft head; pass --draft DIR or use --no-spec")
+    if kind is not None and kind != m.draft_kind:
+        raise EagleError(f"{path}: this is an {m.draft_kind.upper()} head but {kind.upper()} was requested; drop the override")
+    cfg = draft_config_from_hf(m.draft_config, m.draft_kind)
+    if target is not None:
+        check_fits(cfg, target, str(path))
+    specs = _in_dtype(draft_model.param_specs(cfg), dtype, m.draft_dtype)
+    return cfg, _restore(path / "draft", specs, mesh)
