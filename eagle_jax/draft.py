@@ -27,7 +27,7 @@ from eagle_jax.config import RopeConfig, TargetConfig, read_json, rope_from_hf
 from eagle_jax.errors import EagleError
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.layers import apply_rope, attend, linear, rms_norm, swiglu
-from eagle_jax.spec import ParamSpec, flatten_dict, unflatten_dict
+from eagle_jax.spec import ParamSpec, describe_mismatch, flatten_dict, unflatten_dict
 
 KINDS = ("eagle1", "eagle3")
 
@@ -281,34 +281,22 @@ def _nest_layers(flat: dict[str, Any]) -> dict:
 def params_from_tensors(tensors: dict[str, np.ndarray], c: DraftConfig, where: str, dtype=None) -> dict:
     """Official head tensors -> our parameter tree; every key and shape checked."""
     names = official_names(c)
-    expected = {theirs: ours for ours, (theirs, _) in names.items()}
-    present = {k for k in tensors if k not in IGNORED_KEYS}
-    missing = sorted(set(expected) - present)
-    unexpected = sorted(present - set(expected))
     specs = flatten_dict(_flat_specs_tree(c))
-    flat, misshaped = {}, []
-    for theirs, ours in expected.items():
-        if theirs not in tensors:
-            continue
+    expected = {theirs: specs[ours].shape[::-1] if transpose else specs[ours].shape
+                for ours, (theirs, transpose) in names.items()}
+    present = {k: np.shape(v) for k, v in tensors.items() if k not in IGNORED_KEYS}
+    problem = describe_mismatch(expected, present)
+    if problem:
+        raise EagleError(f"{where}: not a valid {c.kind.upper()} head for its config.json ({problem})")
+    flat = {}
+    for ours, (theirs, transpose) in names.items():
         x = np.asarray(tensors[theirs])
-        x = x.T if names[ours][1] else x
-        if tuple(x.shape) != specs[ours].shape:
-            misshaped.append(f"{theirs} {tuple(tensors[theirs].shape)}")
-            continue
+        x = x.T if transpose else x
         if ours in ("d2t", "t2d"):
             x = x.astype(np.int32 if ours == "d2t" else np.bool_)
         elif dtype is not None:
             x = x.astype(dtype)
         flat[ours] = x
-    problems = []
-    if missing:
-        problems.append("missing " + ", ".join(missing))
-    if unexpected:
-        problems.append("unexpected " + ", ".join(unexpected))
-    if misshaped:
-        problems.append("mis-shaped " + ", ".join(misshaped))
-    if problems:
-        raise EagleError(f"{where}: not a valid {c.kind.upper()} head for its config.json ({'; '.join(problems)})")
     return _nest_layers(flat)
 
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from eagle_jax.config import TargetConfig, load_target_config
 from eagle_jax.errors import EagleError
-from eagle_jax.spec import check_against_specs, unflatten_dict
+from eagle_jax.spec import check_against_specs, describe_mismatch, unflatten_dict
 from eagle_jax import target as target_model
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -197,22 +197,9 @@ def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig
         tensors.pop("lm_head.weight", None)
     layout = moe_layout(tensors) if cfg.is_moe else MOE_PER_EXPERT
     expected = target_hf_shapes(cfg, layout)
-    missing = sorted(set(expected) - set(tensors))
-    unexpected = sorted(set(tensors) - set(expected))
-    misshaped = [
-        f"{k} {tuple(np.shape(tensors[k]))} (expected {expected[k]})"
-        for k in sorted(set(expected) & set(tensors))
-        if tuple(np.shape(tensors[k])) != expected[k]
-    ]
-    if missing or unexpected or misshaped:
-        parts = []
-        if missing:
-            parts.append(f"missing {_summarise(missing)}")
-        if unexpected:
-            parts.append(f"unexpected {_summarise(unexpected)}")
-        if misshaped:
-            parts.append(f"mis-shaped {_summarise(misshaped)}")
-        raise EagleError(f"{where}: weights do not match config.json ({'; '.join(parts)})")
+    problem = describe_mismatch(expected, {k: np.shape(v) for k, v in tensors.items()})
+    if problem:
+        raise EagleError(f"{where}: weights do not match config.json ({problem})")
 
     def cast(x: np.ndarray) -> np.ndarray:
         return np.asarray(x) if dtype is None else np.asarray(x).astype(dtype)
@@ -229,11 +216,6 @@ def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig
     params = unflatten_dict(flat)
     check_against_specs(params, target_model.param_specs(cfg), where)
     return params
-
-
-def _summarise(names: list[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
 
 
 def load_target(model_dir: str | Path, dtype=None, progress: bool = False) -> tuple[TargetConfig, dict]:

@@ -69,26 +69,32 @@ def init_params(specs: PyTree, key: jax.Array) -> PyTree:
     return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
 
 
+def describe_mismatch(expected: dict[str, tuple[int, ...]], actual: dict[str, tuple[int, ...]], limit: int = 6) -> str | None:
+    """One line naming missing, unexpected and mis-shaped entries (name -> shape), or None if they agree."""
+
+    def listed(items: list[str]) -> str:
+        return ", ".join(items[:limit]) + (f" (+{len(items) - limit} more)" if len(items) > limit else "")
+
+    missing = sorted(set(expected) - set(actual))
+    unexpected = sorted(set(actual) - set(expected))
+    misshaped = [
+        f"{k} {tuple(actual[k])} (expected {tuple(expected[k])})"
+        for k in sorted(set(expected) & set(actual))
+        if tuple(actual[k]) != tuple(expected[k])
+    ]
+    parts = [f"{what} {listed(items)}" for what, items in
+             (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items]
+    return "; ".join(parts) or None
+
+
 def check_against_specs(params: PyTree, specs: PyTree, what: str) -> None:
     """Raise one error naming every missing, unexpected or mis-shaped parameter."""
-    flat_specs = flatten_dict(specs)
-    flat_params = flatten_dict(params)
-    missing = sorted(set(flat_specs) - set(flat_params))
-    unexpected = sorted(set(flat_params) - set(flat_specs))
-    misshaped = [
-        f"{k} {tuple(np.shape(flat_params[k]))} != {flat_specs[k].shape}"
-        for k in sorted(set(flat_specs) & set(flat_params))
-        if tuple(np.shape(flat_params[k])) != flat_specs[k].shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {', '.join(unexpected)}")
-    if misshaped:
-        problems.append(f"mis-shaped {', '.join(misshaped)}")
-    if problems:
-        raise EagleError(f"{what}: " + "; ".join(problems))
+    problem = describe_mismatch(
+        {k: s.shape for k, s in flatten_dict(specs).items()},
+        {k: np.shape(x) for k, x in flatten_dict(params).items()},
+    )
+    if problem:
+        raise EagleError(f"{what}: {problem}")
 
 
 def flatten_dict(tree: PyTree, prefix: str = "") -> dict[str, Any]:
