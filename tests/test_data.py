@@ -3,31 +3,14 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from convdata import TEMPLATE, templated_tokenizer_dir
 from eagle_jax import data
 from eagle_jax.errors import EagleError
-
-# Role header tokens t3 (user) / t4 (assistant) / t5 (system), end of turn t6; bos <s>.
-TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}t3 {% elif m['role'] == 'assistant' %}t4 "
-    "{% else %}t5 {% endif %}{{ m['content'] }} t6 {% endfor %}{% if add_generation_prompt %}t4 {% endif %}"
-)
-
-
-def templated_tokenizer_dir(golden: Path, dest: Path, template: str = TEMPLATE) -> Path:
-    """A copy of the golden WordLevel tokenizer with a chat template."""
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("tokenizer.json", "special_tokens_map.json"):
-        shutil.copy(golden / "target" / name, dest / name)
-    config = json.loads((golden / "target" / "tokenizer_config.json").read_text())
-    config["chat_template"] = template
-    (dest / "tokenizer_config.json").write_text(json.dumps(config))
-    return dest
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,199 @@
+"""EAGLE-3 head training on the golden target: learning, sharded equivalence, export, CLI errors, regeneration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
+from eagle_jax import data, draft, generate, spec, store, ttt
+from train import eagle3, regenerate
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--batch-size", "8", "--max-length", "64", "--ttt-steps", "3", "--lr", "1e-2", "--draft-vocab-size", "256", "--warmup", "3"]
+
+
+def cli_env(tmp: Path, devices: int = 1) -> dict:
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+
+
+def run_module(module: str, args: list[str], env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("train")
+
+
+@pytest.fixture(scope="module")
+def target_dir(golden_dir, workdir) -> Path:
+    return templated_target_dir(golden_dir, workdir / "target")
+
+
+@pytest.fixture(scope="module")
+def chain_data(golden_target, workdir) -> tuple[Path, Path]:
+    """(training file of 256 conversations, held-out file of 4) with answers drawn from the target."""
+    table = next_token_table(*golden_target)
+    train = write_jsonl(workdir / "train.jsonl", chain_conversations(table, 256, 40, seed=0))
+    held = write_jsonl(workdir / "heldout.jsonl", chain_conversations(table, 4, 40, seed=1))
+    return train, held
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdir, golden_dir):
+    out = workdir / "run"
+    train, held = chain_data
+    res = run_module("train.eagle3", ["--target", target_dir, "--data", train, "--out", out, "--steps", 30, *TINY,
+                                      "--log-every", 1, "--save-every", 10, "--tau-prompts", held, "--tau-every", 30],
+                     cli_env(workdir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, 31))
+    assert all(len(r["acc"]) == 3 and r["tokens_per_s"] > 0 and np.isfinite(r["loss"]) for r in rows)
+    loss = np.array([r["loss"] for r in rows])
+    acc0 = np.array([r["acc"][0] for r in rows])
+    # observed: loss 5.0 -> 3.6, acc_0 0.03 -> 0.33 (averages of the first / last 5 steps)
+    assert loss[-5:].mean() < 0.85 * loss[:5].mean()
+    assert acc0[-5:].mean() > acc0[:5].mean() + 0.15
+    assert all(abs(r["tau_sim"] - float(ttt.simulated_tau(np.array(r["acc"])))) < 1e-6 for r in rows)
+    taus = read_jsonl(out / "tau.jsonl")
+    assert [t["step"] for t in taus] == [0, 30] and taus[1]["tau"] > taus[0]["tau"]  # engine on held-out prompts
+
+    # export: exactly the official keys, shapes and dtypes (those of the golden head for this target)
+    exported = load_file(str(out / "export" / "model.safetensors"))
+    official = load_file(str(golden_dir / "eagle3" / "model.safetensors"))
+    assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {k: (v.shape, v.dtype) for k, v in official.items()}
+    assert sorted(p.name for p in (out / "export").iterdir()) == ["config.json", "model.safetensors", "pytorch_model.bin"]
+    tcfg = eagle3.load_target(target_dir)[0]
+    dcfg, params = draft.load_draft(out / "export", tcfg)
+    assert dcfg == eagle3.head_config(tcfg, 256)
+    saved_map = np.load(out / "vocab_map.npz")
+    np.testing.assert_array_equal(params["d2t"], saved_map["d2t"])
+    np.testing.assert_array_equal(params["t2d"], saved_map["t2d"])
+    counts = saved_map["counts"]
+    assert counts[saved_map["t2d"]].min() >= counts[~saved_map["t2d"]].max()  # the most frequent answer tokens
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_export_formats_load_back(tmp_path, golden_target):
+    tcfg, _ = golden_target
+    dcfg = eagle3.head_config(tcfg, 256)
+    params = spec.init_params(draft.param_specs(dcfg), jax.random.key(0))
+    params["d2t"], params["t2d"] = ttt.build_vocab_map(np.arange(1024)[::-1], 256)
+    assert eagle3.export_head(params, dcfg, tcfg, tmp_path) == ["config.json", "model.safetensors", "pytorch_model.bin"]
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 256
+    bin_only = tmp_path / "bin"
+    bin_only.mkdir()
+    for name in ("config.json", "pytorch_model.bin"):
+        (bin_only / name).write_bytes((tmp_path / "export" / name).read_bytes())
+    expected = jax.device_get(params)
+    for where in (tmp_path / "export", bin_only):
+        cfg, loaded = draft.load_draft(where, tcfg)
+        assert cfg == dcfg
+        jax.tree.map(np.testing.assert_array_equal, loaded, expected)
+    cfg, loaded = store.load_draft_store(tmp_path / "head", tcfg)  # the orbax copy
+    assert cfg == dcfg
+    jax.tree.map(np.testing.assert_array_equal, loaded, expected)
+
+
+# ---------------------------------------------------------------- user errors
+
+
+@pytest.fixture
+def run_main(capsys):
+    """eagle3.main in this process -> (exit code, stderr lines that are not progress bars)."""
+
+    def call(*args) -> tuple[int, list[str]]:
+        code = eagle3.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        return code, [line for line in err.splitlines() if line.strip() and "\r" not in line]
+
+    return call
+
+
+def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_data, tmp_path):
+    train = chain_data[0]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": "t9"}, {"from": "gpt", "value": "t8"}]},
+                               {"text": "no turns"}]))
+    base = ["--target", target_dir, "--data", train, "--out", tmp_path / "o", *TINY]
+    cases = [
+        (["--target", tmp_path / "none", "--data", train, "--out", tmp_path / "o"], "directory not found"),
+        ([*base, "--mesh", "data=two"], "bad --mesh entry 'data=two'"),
+        ([*base, "--mesh", "data=3"], "does not divide the 8 devices"),
+        ([*base, "--mesh", "data=8", "--batch-size", "4"], "batch"),
+        (["--target", target_dir, "--data", bad, "--out", tmp_path / "o"], f"{bad}: record 1: no 'conversations'"),
+        (["--target", target_dir, "--data", tmp_path / "missing.jsonl", "--out", tmp_path / "o"], "data file not found"),
+        ([*base, "--steps", "0"], "--steps must be >= 1"),
+        ([*base, "--tau-every", "5"], "--tau-every needs --tau-prompts"),
+        (["--target", target_dir, "--out", tmp_path / "o"], "--data"),
+        ([*base, "--draft-vocab-size", "4096", "--mesh", "fsdp=8"], "--draft-vocab-size 4096 must be in 1..1024"),
+    ]
+    for args, expected in cases:
+        code, lines = run_main(*args)
+        errors = [line for line in lines if line.startswith("error:")]
+        assert code == 2 and errors == lines[-1:] and expected in errors[0], (args, lines)
+
+
+def test_resume_with_other_flags_is_refused(run_main, target_dir, chain_data, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    run = eagle3.parse_args(["--target", str(target_dir), "--data", str(chain_data[0]), "--out", str(out), *TINY])
+    (out / "run.json").write_text(json.dumps(dataclasses.asdict(run)))
+    code, lines = run_main("--target", target_dir, "--data", chain_data[0], "--out", out, *TINY[:-2], "--warmup", 5,
+                           "--mesh", "fsdp=8")
+    assert code == 2 and "--warmup 3 (now 5)" in lines[-1] and "use a new --out" in lines[-1]
+
+
+def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path, target_dir):
+    res = run_module("train.eagle3", ["--target", target_dir, "--data", tmp_path / "nope.json", "--out", tmp_path / "o"],
+                     cli_env(tmp_path))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'nope.json'}: data file not found"
+
+
+# ---------------------------------------------------------------- regeneration
+
+
+def test_regenerate_replaces_answers_with_the_targets_greedy_ones(target_dir, chain_data, golden_target, tmp_path):
+    out = tmp_path / "regen.jsonl"
+    res = run_module("train.regenerate", ["--target", target_dir, "--data", chain_data[1], "--out", out,
+                                          "--max-new-tokens", 6, "--batch-size", 2, "--limit", 3], cli_env(tmp_path))
+    assert res.returncode == 0, res.stderr[-3000:]
+    source = [json.loads(line) for line in chain_data[1].read_text().splitlines()][:3]
+    rows = read_jsonl(out)
+    assert len(rows) == 3
+    tokenizer = data.load_tokenizer(target_dir)
+    tcfg, tparams = golden_target
+    prompts = [regenerate.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
+               for r in source]
+    expected = generate.generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos
+    for row, src, tokens in zip(rows, source, expected):
+        human, gpt = row["conversations"]
+        assert human == src["conversations"][0]
+        assert gpt["from"] == "gpt" and gpt["value"] == " ".join(f"t{t}" for t in tokens)
+    # the regenerated file is training data as it is
+    examples, stats = data.load_examples([out], tokenizer, 64, 1024)
+    assert stats.examples == 3
+
+
+def test_regenerate_continues_after_complete_lines(tmp_path):
+    out = tmp_path / "r.jsonl"
+    out.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "conv')
+    assert regenerate.count_lines(out) == 2 and out.read_text() == '{"id": 1}\n{"id": 2}\n'
