@@ -182,7 +182,8 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     # 1. draft the tree
     ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, spec.tree.top_k)
     expand = _expand_fn(dparams, dcfg, embed, head, spec.tree.top_k)
-    tr, dcache = trees.build(spec.tree, s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths, expand, s.draft_cache)
+    start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
+    tr, dcache = trees.build(spec.tree, start, expand, s.draft_cache)
     # 2. verify: one target forward over the tree
     positions = s.target_cache.lengths[:, None] + tr.depths
     fwd = target.forward(tparams, tcfg, tr.tokens, positions, s.target_cache, mask=tr.mask)
@@ -276,7 +277,8 @@ def init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed
                    spec=spec, capacity=p.capacity)
 
 
-def _result(state: SpecState) -> SpecResult:
+def result(state: SpecState) -> SpecResult:
+    """Per-row tokens, accept lengths and stop reasons of a finished state."""
     out, counts, eos, acc = jax.device_get((state.out, state.counts, state.eos, state.accept_lengths))
     return SpecResult(
         tokens=[out[r, :n].tolist() for r, n in enumerate(counts)],
@@ -290,7 +292,7 @@ def generate(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: l
              capacity: int | None = None) -> SpecResult:
     """Speculative generation of up to max_new_tokens new tokens per prompt, on device end to end."""
     state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity)
-    return _result(run(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec))
+    return result(run(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec))
 
 
 def stream(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: list[list[int]],

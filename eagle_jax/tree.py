@@ -16,7 +16,7 @@ child rank) after the global top-(total_tokens - 1) rerank.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -113,10 +113,22 @@ class Tree:
     paths: jax.Array  # [B, N, D+2]
 
 
-# A draft expansion: (tokens [B, K], hidden [B, K, H], positions [B, K], window mask [B, K, W], offset)
-#   -> (outputs [B, K, H], top-k target ids [B, K, k], top-k log-probs [B, K, k]); it writes the
-#   K entries into the draft cache window at `offset` (carried by the closure's state).
-ExpandFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TreeStart:
+    """What a tree grows from: the root and the draft output that proposes level 1."""
+
+    root: jax.Array  # [B] the root token
+    hidden: jax.Array  # [B, H] draft output at the last committed position (the level-1 nodes' hidden input)
+    ids: jax.Array  # [B, k] its top-k proposals (target ids), best first
+    logp: jax.Array  # [B, k] their log-probabilities
+    position: jax.Array  # [B] draft position of the level-1 nodes
+
+
+# A draft expansion: expand(state, tokens [B, K], hidden [B, K, H], positions [B, K], mask [B, K, W], offset)
+#   -> (state, outputs [B, K, H], top-k target ids [B, K, k], top-k log-probs [B, K, k]); it writes the
+#   K entries into the draft cache window at `offset` (the cache is the threaded `state`).
+ExpandFn = Callable[..., tuple[Any, jax.Array, jax.Array, jax.Array]]
 
 
 def ancestor_mask(parents: jax.Array, max_depth: int) -> jax.Array:
@@ -150,34 +162,22 @@ def _finish(tokens: jax.Array, parents: jax.Array, max_depth: int) -> Tree:
     return Tree(tokens, parents, depths, mask, leaf_paths)
 
 
-def build_dynamic(
-    spec: DynamicTree,
-    root: jax.Array,
-    root_hidden: jax.Array,
-    root_ids: jax.Array,
-    root_logp: jax.Array,
-    base_position: jax.Array,
-    expand: ExpandFn,
-    state,
-):
-    """EAGLE-2 tree. root [B]; root_hidden [B, H] is the draft output that proposed level 1 with
-    (root_ids, root_logp) [B, k]; base_position [B] is the draft position of level 1.
-
-    `expand(state, tokens, hidden, positions, mask, offset) -> (state, out, ids, logp)` runs the draft.
-    Returns (Tree, state).
-    """
+def build_dynamic(spec: DynamicTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
+    """EAGLE-2 tree (upstream `topK_genrate`): expand the top_k best frontier nodes `depth` times,
+    then keep the best total_tokens - 1 of all candidates in recorded order. Returns (tree, state)."""
+    root, root_ids, root_hidden = start.root, start.ids, start.hidden
     b, k, depth = root.shape[0], spec.top_k, spec.depth
     w = spec.draft_window
     rows = jnp.arange(b)[:, None]
     # level 1
-    frontier_tokens, frontier_scores = root_ids, root_logp  # [B, k]
+    frontier_tokens, frontier_scores = root_ids, start.logp  # [B, k]
     frontier_hidden = jnp.broadcast_to(root_hidden[:, None, :], (b, k, root_hidden.shape[-1]))
     frontier_flat = jnp.broadcast_to(jnp.arange(k), (b, k))  # flat candidate index of each frontier node
     frontier_mask = jnp.broadcast_to(jnp.eye(k, w, dtype=bool), (b, k, w))  # window slots each node sees
 
     def step(carry, i):
         state, tokens, scores, hidden, flat, mask = carry
-        positions = jnp.broadcast_to(base_position[:, None] + i, (b, k))
+        positions = jnp.broadcast_to(start.position[:, None] + i, (b, k))
         state, out, ids, logp = expand(state, tokens, hidden, positions, mask, i * k)  # ids/logp [B, k, k]
         cum = (logp + scores[..., None]).reshape(b, k * k)
         child_tokens = ids.reshape(b, k * k)
@@ -199,7 +199,7 @@ def build_dynamic(
     init = (state, frontier_tokens, frontier_scores, frontier_hidden, frontier_flat, frontier_mask)
     (state, *_), (tok_l, score_l, parent_l) = jax.lax.scan(step, init, jnp.arange(depth))
     all_tokens = jnp.concatenate([root_ids, jnp.moveaxis(tok_l, 0, 1).reshape(b, -1)], axis=1)
-    all_scores = jnp.concatenate([root_logp, jnp.moveaxis(score_l, 0, 1).reshape(b, -1)], axis=1)
+    all_scores = jnp.concatenate([start.logp, jnp.moveaxis(score_l, 0, 1).reshape(b, -1)], axis=1)
     all_parents = jnp.concatenate(
         [jnp.zeros((b, k), jnp.int32), jnp.moveaxis(parent_l, 0, 1).reshape(b, -1).astype(jnp.int32)], axis=1
     )
@@ -249,18 +249,9 @@ def static_layout(spec: StaticTree) -> _StaticLayout:
     return _StaticLayout(parents, level_nodes, level_rank, level_parent_slot, window_mask)
 
 
-def build_static(
-    spec: StaticTree,
-    root: jax.Array,
-    root_hidden: jax.Array,
-    root_ids: jax.Array,
-    root_logp: jax.Array,
-    base_position: jax.Array,
-    expand: ExpandFn,
-    state,
-):
-    """EAGLE-1 static tree: node tokens are the parent's draft top-k at the node's rank."""
-    del root_logp
+def build_static(spec: StaticTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
+    """EAGLE-1 static tree: node tokens are the parent's draft top-k at the node's rank. Returns (tree, state)."""
+    root, root_ids, root_hidden = start.root, start.ids, start.hidden
     lay = static_layout(spec)
     b, width, n = root.shape[0], spec.width, spec.num_nodes
     rows = jnp.arange(b)[:, None]
@@ -273,7 +264,7 @@ def build_static(
             break
         hidden = root_hidden[:, None, :] if d == 1 else out
         parent_hidden = jnp.broadcast_to(hidden[:, lay.level_parent_slot[d - 1]], (b, width, root_hidden.shape[-1]))
-        positions = jnp.broadcast_to(base_position[:, None] + d - 1, (b, width))
+        positions = jnp.broadcast_to(start.position[:, None] + d - 1, (b, width))
         mask = jnp.broadcast_to(jnp.asarray(lay.window_mask[d - 1]), (b, width, spec.draft_window))
         state, out, ids, _ = expand(state, level_tokens, parent_hidden, positions, mask, (d - 1) * width)
         level_tokens = ids[rows, lay.level_parent_slot[d], lay.level_rank[d]]
@@ -281,8 +272,10 @@ def build_static(
     return _finish(tokens, parents, spec.max_depth), state
 
 
-def build(spec: TreeConfig, *args):
-    return build_dynamic(spec, *args) if isinstance(spec, DynamicTree) else build_static(spec, *args)
+def build(spec: TreeConfig, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
+    """Grow the configured tree from `start`; `expand` runs the draft (threading `state`)."""
+    builder = build_dynamic if isinstance(spec, DynamicTree) else build_static
+    return builder(spec, start, expand, state)
 
 
 def parse_static(text: str) -> StaticTree:
