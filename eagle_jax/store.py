@@ -16,8 +16,10 @@ to and orbax reads only the slices each device holds. Training runs save their h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import shutil
@@ -133,6 +135,23 @@ def _check_shapes(found: PyTree, specs: PyTree, where: str) -> None:
         raise EagleError(f"{where}: parameters do not match the config ({'; '.join(problems)})")
 
 
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Silence orbax's absl warnings (e.g. on unreadable metadata): failures surface as one EagleError."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _checkpointer():
     import orbax.checkpoint as ocp
 
@@ -220,15 +239,18 @@ def _restore(path: Path, specs: PyTree, mesh: Mesh | None) -> PyTree:
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
 
     ckpt = _checkpointer()
-    try:
-        stored = ckpt.metadata(path).item_metadata.tree
-    except Exception as exc:  # orbax raises several types for unreadable metadata
-        raise EagleError(f"{path}: not a readable orbax checkpoint ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
-    _check_shapes(stored, specs, str(path))
-    try:
-        return ckpt.restore(path, args=ocp.args.StandardRestore(map_specs(abstract, specs)))
-    except Exception as exc:  # missing or truncated array files
-        raise EagleError(f"{path}: cannot restore ({type(exc).__name__}: {str(exc).splitlines()[0]})") from None
+    with _quiet_orbax():
+        try:
+            stored = ckpt.metadata(path).item_metadata
+        except Exception as exc:  # orbax raises several types for unreadable metadata
+            raise EagleError(f"{path}: not a readable orbax checkpoint ({_first_line(exc)})") from None
+        if stored is None:
+            raise EagleError(f"{path}: not a readable orbax checkpoint (no array metadata); the store may be incomplete")
+        _check_shapes(stored.tree, specs, str(path))
+        try:
+            return ckpt.restore(path, args=ocp.args.StandardRestore(map_specs(abstract, specs)))
+        except Exception as exc:  # missing or truncated array files
+            raise EagleError(f"{path}: cannot restore ({_first_line(exc)}); the store may be incomplete") from None
 
 
 def _in_dtype(specs: PyTree, requested: Any, stored: str | None) -> PyTree:

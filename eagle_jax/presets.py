@@ -1,0 +1,134 @@
+"""Presets: a public target + draft pair with its tree and generation settings (`configs/NAME.json`).
+
+A preset names the checkpoints by their Hugging Face hub names and the folder each is expected in
+under a local models root (`--models DIR`, else `$EAGLE_JAX_MODELS`, else `./models`); nothing is
+downloaded. File format:
+
+    {"description": "...",
+     "target": {"hub": "meta-llama/Llama-3.1-8B-Instruct", "dir": "Llama-3.1-8B-Instruct"},
+     "draft": {"hub": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "kind": "eagle3"},
+     "tree": {"total_tokens": 60, "depth": 7, "top_k": 10}   or   {"static": "mc_sim_7b_63"},
+     "dtype": "bf16", "mesh": "tensor=8" or null,
+     "generation": {"max_new_tokens": 512, "temperature": 0.6, "top_p": 0.95, "top_k": 20},
+     "chat_template": "jinja text, used when the tokenizer has none"}
+
+`dir` defaults to the last part of `hub`; `mesh`, `generation` and `chat_template` are optional.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eagle_jax.draft import KINDS
+from eagle_jax.errors import EagleError
+from eagle_jax.sharding import parse_mesh
+from eagle_jax.tree import DynamicTree, TreeConfig, parse_static
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+MODELS_ENV = "EAGLE_JAX_MODELS"
+DTYPE_NAMES = ("bf16", "fp16", "fp32")
+GENERATION_KEYS = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelRef:
+    hub: str  # Hugging Face hub name to fetch it from
+    dir: str  # folder name under the models root
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    target: ModelRef
+    draft: ModelRef
+    draft_kind: str
+    tree: TreeConfig
+    dtype: str
+    mesh: str | None = None
+    generation: tuple[tuple[str, Any], ...] = ()
+    chat_template: str | None = None
+
+    def model_dir(self, which: str, models_root: str | Path | None = None) -> Path:
+        """The local folder of the 'target' or 'draft'; a missing one is a one-line error saying what to fetch."""
+        ref = self.target if which == "target" else self.draft
+        root = Path(models_root or os.environ.get(MODELS_ENV) or "models")
+        path = root / ref.dir
+        if not path.is_dir():
+            raise EagleError(
+                f"preset {self.name}: {which} directory {path} not found; download {ref.hub} into it "
+                f"(huggingface-cli download {ref.hub} --local-dir {path}), or set {MODELS_ENV} / --models to the "
+                f"folder holding {ref.dir}, or pass --{which} DIR"
+            )
+        return path
+
+
+def _model_ref(raw: Any, where: str, extra: tuple[str, ...] = ()) -> ModelRef:
+    if not isinstance(raw, dict) or not isinstance(raw.get("hub"), str) or raw["hub"].count("/") != 1:
+        raise EagleError(f"{where}: needs {{\"hub\": \"owner/name\"}}")
+    unknown = set(raw) - {"hub", "dir", *extra}
+    if unknown:
+        raise EagleError(f"{where}: unknown keys {sorted(unknown)}")
+    return ModelRef(raw["hub"], str(raw.get("dir") or raw["hub"].split("/")[1]))
+
+
+def _tree(raw: Any, where: str) -> TreeConfig:
+    if isinstance(raw, dict) and set(raw) == {"static"}:
+        static = raw["static"]
+        return parse_static(static if isinstance(static, str) else json.dumps(static))
+    if isinstance(raw, dict) and set(raw) <= {"total_tokens", "depth", "top_k"}:
+        return DynamicTree(**{k: int(v) for k, v in raw.items()})
+    raise EagleError(f"{where}: tree must be {{\"total_tokens\", \"depth\", \"top_k\"}} or {{\"static\": ...}}")
+
+
+def preset_from_dict(raw: dict, name: str) -> Preset:
+    """Validate a preset dictionary (every key checked; unknown keys are errors)."""
+    where = f"preset {name}"
+    known = {"description", "target", "draft", "tree", "dtype", "mesh", "generation", "chat_template"}
+    if unknown := set(raw) - known:
+        raise EagleError(f"{where}: unknown keys {sorted(unknown)} (known: {', '.join(sorted(known))})")
+    if missing := {"description", "target", "draft", "tree", "dtype"} - set(raw):
+        raise EagleError(f"{where}: missing keys {sorted(missing)}")
+    draft = raw["draft"]
+    kind = draft.get("kind") if isinstance(draft, dict) else None
+    if kind not in KINDS:
+        raise EagleError(f"{where}: draft.kind must be one of {', '.join(KINDS)}")
+    if raw["dtype"] not in DTYPE_NAMES:
+        raise EagleError(f"{where}: dtype must be one of {', '.join(DTYPE_NAMES)}")
+    if raw.get("mesh") is not None:
+        parse_mesh(raw["mesh"])
+    generation = raw.get("generation") or {}
+    if unknown := set(generation) - set(GENERATION_KEYS):
+        raise EagleError(f"{where}: unknown generation keys {sorted(unknown)}")
+    return Preset(
+        name=name,
+        description=str(raw["description"]),
+        target=_model_ref(raw["target"], f"{where}: target"),
+        draft=_model_ref(draft, f"{where}: draft", ("kind",)),
+        draft_kind=kind,
+        tree=_tree(raw["tree"], where),
+        dtype=raw["dtype"],
+        mesh=raw.get("mesh"),
+        generation=tuple(sorted((k, GENERATION_KEYS[k](v)) for k, v in generation.items())),
+        chat_template=raw.get("chat_template"),
+    )
+
+
+def available() -> list[str]:
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def load_preset(name: str) -> Preset:
+    """A preset by name (`configs/NAME.json`) or by path to a JSON file."""
+    path = Path(name) if name.endswith(".json") else CONFIG_DIR / f"{name}.json"
+    if not path.is_file():
+        raise EagleError(f"unknown preset {name!r}; available: {', '.join(available())} (or a path to a .json preset)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise EagleError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return preset_from_dict(raw, path.stem)

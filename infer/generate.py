@@ -1,0 +1,444 @@
+"""Generate with a target and an EAGLE draft head (speculative decoding), or chat with it.
+
+    python -m infer.generate --target DIR [--draft DIR] --prompt "Hello"          # stream one answer
+    python -m infer.generate --config llama3.1-8b-eagle3 --models /models         # interactive chat
+    python -m infer.generate --target DIR --draft DIR --prompt-ids '1,5,9;3,4' --max-new-tokens 20 --json OUT
+
+--target/--draft take a store written by `convert.torch_to_orbax` (one directory that may hold both)
+or Hugging Face / official EAGLE directories, loaded directly. Without a prompt it reads user turns
+from stdin and keeps the conversation (exit with /exit or end of input). The tokenizer's chat
+template is applied unless --raw. Text streams as cycles are accepted; a last line on stderr gives
+new tokens, cycles, tau (new tokens per cycle) and tokens/s. `--json OUT` writes `output_ids` (new
+tokens per row), `accept_lengths` (per row, per cycle), `cycles`, `new_tokens`, `tau` and more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+
+from eagle_jax import cli, draft, engine, hf_io, presets, store, target
+from eagle_jax import generate as plain
+from eagle_jax.config import TargetConfig
+from eagle_jax.draft import KINDS, DraftConfig
+from eagle_jax.engine import SpecConfig, SpecResult
+from eagle_jax.errors import EagleError
+from eagle_jax.sampling import SamplingConfig
+from eagle_jax.sharding import make_mesh, parse_mesh, shard_params
+from eagle_jax.tree import DynamicTree, StaticTree, TreeConfig, parse_static
+
+DEFAULT_MAX_NEW_TOKENS = 256
+CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns do not recompile)
+
+
+# ---------------------------------------------------------------- settings
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    spec: SpecConfig | None  # None: plain decoding
+    sampling: SamplingConfig
+    max_new_tokens: int
+    seed: int
+    max_len: int | None
+    stream: bool
+    warmup: bool
+
+
+def parse_prompt_ids(text: str) -> list[list[int]]:
+    """'1,5,9;3,4' -> [[1, 5, 9], [3, 4]] (rows separated by ';')."""
+    try:
+        rows = [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";") if row.strip()]
+    except ValueError:
+        raise EagleError(f"bad --prompt-ids {text!r}: expected comma-separated ids, rows separated by ';' (e.g. 1,5,9;3,4)") from None
+    if not rows or not all(rows) or min(min(r) for r in rows) < 0:
+        raise EagleError(f"bad --prompt-ids {text!r}: every row needs at least one id >= 0")
+    return rows
+
+
+def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig:
+    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's tree, else upstream defaults."""
+    dynamic = {k: v for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k)) if v is not None}
+    if a.tree is not None:
+        if dynamic:
+            raise EagleError("--tree (a static tree) cannot be combined with --total-tokens/--depth/--tree-top-k")
+        return parse_static(a.tree)
+    base = preset.tree if preset is not None else DynamicTree()
+    if not dynamic:
+        return base
+    return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic)
+
+
+def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> Settings:
+    gen = dict(preset.generation) if preset else {}
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(a, name)
+        return value if value is not None else gen.get(name, default)
+
+    sampling = SamplingConfig(pick("temperature", 0.0), pick("top_p", 1.0), pick("top_k", 0))
+    max_new = pick("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if max_new < 1:
+        raise EagleError(f"--max-new-tokens {max_new} must be >= 1")
+    if a.max_len is not None and a.max_len < 2:
+        raise EagleError(f"--max-len {a.max_len} must be >= 2")
+    spec = None if a.no_spec else SpecConfig(tree_config(a, preset), sampling)
+    return Settings(spec, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
+
+
+# ---------------------------------------------------------------- models
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    tcfg: TargetConfig
+    tparams: dict
+    dcfg: DraftConfig | None
+    dparams: dict | None
+    target_dir: Path
+    draft_dir: Path | None
+
+
+def _on_devices(params: dict, specs: dict, mesh) -> dict:
+    """Host parameters onto the mesh by their logical axes, or onto the default device."""
+    return shard_params(params, specs, mesh) if mesh is not None else jax.device_put(params)
+
+
+def load_models(target_dir: Path, draft_dir: Path | None, kind: str | None, dtype, mesh) -> Models:
+    """Target and head from stores or HF / official directories, on the mesh (or the default device).
+
+    Stores restore straight onto the mesh; directories are read to host and then placed. The head is
+    cast to the target's floating dtype.
+    """
+    if store.is_store(target_dir):
+        tcfg, tparams = store.load_target_store(target_dir, dtype, mesh)
+    else:
+        tcfg, tparams = hf_io.load_target(target_dir, dtype)
+    if mesh is None or not store.is_store(target_dir):
+        tparams = _on_devices(tparams, target.param_specs(tcfg), mesh)
+    if draft_dir is None:
+        return Models(tcfg, tparams, None, None, target_dir, None)
+    ddtype = tparams["embed"].dtype
+    if store.is_store(draft_dir):
+        dcfg, dparams = store.load_draft_store(draft_dir, tcfg, kind, ddtype, mesh)
+    else:
+        dcfg, dparams = draft.load_draft(draft_dir, tcfg, kind, ddtype)
+    if mesh is None or not store.is_store(draft_dir):
+        dparams = _on_devices(dparams, draft.param_specs(dcfg), mesh)
+    return Models(tcfg, tparams, dcfg, dparams, target_dir, draft_dir)
+
+
+def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[Path, Path | None]:
+    """(target, draft or None): flags first, then a store's own head, then the preset's folders."""
+    if a.target is None and preset is None:
+        raise EagleError("give --target DIR (and --draft DIR) or --config NAME")
+    target_dir = Path(a.target) if a.target else preset.model_dir("target", a.models)
+    if a.no_spec:
+        return target_dir, None
+    if a.draft:
+        return target_dir, Path(a.draft)
+    if store.is_store(target_dir) and store.read_manifest(target_dir).draft_config is not None:
+        return target_dir, target_dir
+    if preset is not None:
+        return target_dir, preset.model_dir("draft", a.models)
+    raise EagleError(f"no draft head: {target_dir} holds none; pass --draft DIR, or --no-spec for plain decoding")
+
+
+def load_tokenizer(target_dir: Path, chat_template: str | None):
+    """The target's tokenizer (from a store's tokenizer/ folder or the HF directory)."""
+    tok_dir = store.tokenizer_dir(target_dir) if store.is_store(target_dir) else target_dir
+    if tok_dir is None:
+        raise EagleError(f"{target_dir}: the store holds no tokenizer; use --prompt-ids")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    except (OSError, ValueError) as exc:
+        raise EagleError(f"{tok_dir}: cannot load a tokenizer ({str(exc).strip().splitlines()[0]}); use --prompt-ids") from None
+    if tok.chat_template is None and chat_template is not None:
+        tok.chat_template = chat_template
+    return tok
+
+
+def encode(tok, messages: list[dict[str, str]], use_template: bool) -> list[int]:
+    """Token ids of a conversation: the chat template with the generation prompt, or the raw texts joined."""
+    if use_template:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False).input_ids)
+    return list(tok("\n".join(m["content"] for m in messages)).input_ids)
+
+
+# ---------------------------------------------------------------- generation
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    result: SpecResult  # tokens, accept lengths (0 per token for plain decoding), stop reasons
+    prompt_lengths: list[int]
+    max_new_tokens: int  # after clamping to the cache
+    capacity: int
+    seconds: float
+
+
+def plan_capacity(longest: int, max_new: int, overhead: int, max_len: int | None, max_positions: int) -> tuple[int, int]:
+    """(cache capacity, max_new_tokens clamped to it). The prompt must leave room for one cycle's tree."""
+    capacity = max_len or min(plain.default_capacity(plain.prompt_bucket(longest), max_new + overhead), max_positions)
+    usable = capacity - overhead
+    source = "--max-len" if max_len else "the model's max_position_embeddings"
+    if longest >= usable:
+        raise EagleError(
+            f"prompt of {longest} tokens does not fit the cache: {capacity} slots ({source}) minus {overhead} for "
+            f"a draft tree leave {usable}; raise --max-len or shorten the prompt"
+        )
+    if longest + max_new > usable:
+        cli.warn(f"--max-new-tokens {max_new} clamped to {usable - longest}: the cache holds {capacity} tokens "
+                 f"({source}); raise --max-len to generate more")
+        max_new = usable - longest
+    return capacity, max_new
+
+
+def run_generation(m: Models, prompts: list[list[int]], s: Settings, on_new: Callable[[list[list[int]]], None] | None,
+                   capacity: int | None = None) -> Outcome:
+    """Generate for every prompt; `on_new(new tokens per row)` is called as cycles are accepted."""
+    overhead = s.spec.cache_overhead if s.spec else 0
+    capacity, max_new = plan_capacity(max(map(len, prompts)), s.max_new_tokens, overhead, capacity or s.max_len,
+                                      m.tcfg.rope.max_position_embeddings)
+    on_new = on_new or (lambda new: None)
+    t0 = time.perf_counter()
+    if s.spec is None:
+        res = plain.generate(m.tparams, m.tcfg, prompts, max_new, s.sampling, s.seed, capacity)
+        on_new(res.tokens)
+        result = SpecResult(res.tokens, [[0] * len(t) for t in res.tokens], res.stop_reasons)
+    elif s.stream:
+        for new, _, state in engine.stream(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity):
+            on_new(new)
+        result = engine.result(state)
+    else:
+        result = engine.generate(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity)
+        on_new(result.tokens)
+    return Outcome(result, [len(p) for p in prompts], max_new, capacity, time.perf_counter() - t0)
+
+
+def generate_timed(m: Models, prompts: list[list[int]], s: Settings, on_new, capacity: int | None = None) -> Outcome:
+    """`run_generation`, after one untimed run when --warmup is set (so tokens/s excludes compilation)."""
+    if s.warmup:
+        run_generation(m, prompts, s, None, capacity)
+    return run_generation(m, prompts, s, on_new, capacity)
+
+
+class TextStream:
+    """Prints the decoded text of a growing token list, holding back incomplete characters."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], 0
+
+    def __call__(self, new: list[list[int]]) -> None:
+        self.ids += new[0]
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):
+            sys.stdout.write(text[self.shown:])
+            sys.stdout.flush()
+            self.shown = len(text)
+
+
+def _print_ids(new: list[list[int]]) -> None:
+    if new[0]:
+        sys.stdout.write(" ".join(map(str, new[0])) + " ")
+        sys.stdout.flush()
+
+
+def stats_line(o: Outcome, spec: bool) -> str:
+    r = o.result
+    speed = f"{sum(r.new_tokens) / o.seconds:.1f} tokens/s" if o.seconds > 0 else "n/a tokens/s"
+    if not spec:
+        return f"[{sum(r.new_tokens)} new tokens, plain decoding, {speed}, {o.seconds:.2f} s]"
+    return f"[{sum(r.new_tokens)} new tokens, {sum(r.cycles)} cycles, tau {r.tau:.2f}, {speed}, {o.seconds:.2f} s]"
+
+
+def report(o: Outcome, m: Models, s: Settings, a: argparse.Namespace) -> dict:
+    """The --json document: the contract fields first, then statistics and settings."""
+    r = o.result
+    new, cycles = sum(r.new_tokens), sum(r.cycles)
+    max_accept = s.spec.tree.max_depth if s.spec else 0
+    tree = s.spec.tree if s.spec else None
+    return {
+        "output_ids": r.tokens,
+        "accept_lengths": r.accept_lengths,
+        "cycles": cycles,
+        "new_tokens": new,
+        "tau": new / max(cycles, 1),
+        "rows": [{"prompt_tokens": p, "new_tokens": n, "cycles": c, "tau": n / max(c, 1), "stop_reason": why}
+                 for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)],
+        "accept_histogram": r.accept_histogram(max_accept),
+        "n_alpha": r.n_alpha(max_accept) if s.spec else [],
+        "seconds": o.seconds,
+        "tokens_per_s": new / o.seconds if o.seconds > 0 else None,
+        "settings": {
+            "target": str(m.target_dir),
+            "draft": str(m.draft_dir) if m.draft_dir else None,
+            "draft_kind": m.dcfg.kind if m.dcfg else None,
+            "speculative": s.spec is not None,
+            "tree": None if tree is None else {"static_paths": [list(p) for p in tree.paths]} if isinstance(tree, StaticTree)
+            else dataclasses.asdict(tree),
+            "sampling": dataclasses.asdict(s.sampling),
+            "seed": s.seed,
+            "max_new_tokens": o.max_new_tokens,
+            "cache_capacity": o.capacity,
+            "dtype": str(m.tparams["embed"].dtype),
+            "mesh": a.mesh,
+            "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "stream": s.stream,
+            "warmup": s.warmup,
+        },
+    }
+
+
+def _write_json(path: str, doc: dict) -> None:
+    try:
+        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+    except OSError as exc:
+        raise EagleError(f"--json {path}: cannot write ({exc.strerror})") from None
+
+
+def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) -> None:
+    """Multi-turn chat on stdin/stdout; the oldest turns are dropped when the conversation outgrows the cache."""
+    capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
+    interactive = sys.stdin.isatty()
+    print(f"chatting with {m.target_dir.name}" + (f" + {m.dcfg.kind.upper()} head" if m.dcfg else "")
+          + "; /exit or end of input quits", file=sys.stderr)
+    history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+    first = 1 if system else 0
+    overhead = s.spec.cache_overhead if s.spec else 0
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            break
+        text = line.strip()
+        if text == "/exit":
+            break
+        if not text:
+            continue
+        history.append({"role": "user", "content": text})
+        ids = encode(tok, history, use_template)
+        while len(ids) + overhead >= capacity and len(history) - first > 1:
+            del history[first:first + 2]
+            ids = encode(tok, history, use_template)
+        if len(ids) + overhead >= capacity:
+            cli.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
+            history.pop()
+            continue
+        outcome = generate_timed(m, [ids], s, TextStream(tok), capacity)
+        print(flush=True)
+        print(stats_line(outcome, s.spec is not None), file=sys.stderr, flush=True)
+        history.append({"role": "assistant", "content": tok.decode(outcome.result.tokens[0], skip_special_tokens=True)})
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = cli.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n\n")[0])
+    src = p.add_argument_group("models")
+    src.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
+    src.add_argument("--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)")
+    src.add_argument("--target", help="store directory, or Hugging Face model directory")
+    src.add_argument("--draft", help="store directory, or official EAGLE head directory (default: the target store's head)")
+    src.add_argument("--draft-kind", choices=KINDS, help="assert the head kind (default: detected)")
+    src.add_argument("--dtype", choices=tuple(cli.DTYPES), help="weights dtype (default: preset, else as stored)")
+    src.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (default: preset, else one device)")
+    inp = p.add_argument_group("input")
+    inp.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
+    inp.add_argument("--prompt-file", help="file whose whole text is the prompt")
+    inp.add_argument("--prompt-ids", help="raw token ids, rows separated by ';' (e.g. 1,5,9;3,4)")
+    inp.add_argument("--system", help="system message for the chat template")
+    inp.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    gen = p.add_argument_group("generation")
+    gen.add_argument("--max-new-tokens", type=int, help=f"new tokens per row (default: preset, else {DEFAULT_MAX_NEW_TOKENS})")
+    gen.add_argument("--max-len", type=int, help="cache capacity in tokens (default: fits prompt and budget; chat: "
+                     f"{CHAT_MAX_LEN}; at most max_position_embeddings)")
+    gen.add_argument("--temperature", type=float, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone")
+    gen.add_argument("--no-stream", action="store_true", help="run all cycles in one on-device loop; print at the end")
+    gen.add_argument("--warmup", action="store_true", help="compile with one untimed run first")
+    tree = p.add_argument_group("draft tree (EAGLE-2 dynamic by default: 60 / 7 / 10)")
+    tree.add_argument("--total-tokens", type=int, help="tree nodes including the root")
+    tree.add_argument("--depth", type=int, help="expansion steps (depth + 1 draft levels)")
+    tree.add_argument("--tree-top-k", type=int, help="children per node and frontier width")
+    tree.add_argument("--tree", help="static tree: 'static' / 'mc_sim_7b_63' or a JSON list of rank paths")
+    p.add_argument("--json", metavar="OUT", help="write output ids, accept lengths and statistics to OUT")
+    a = p.parse_args(argv)
+    if sum(x is not None for x in (a.prompt, a.prompt_file, a.prompt_ids)) > 1:
+        raise EagleError("give only one of --prompt, --prompt-file, --prompt-ids")
+    return a
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    a = parse_args(argv)
+    preset = presets.load_preset(a.config) if a.config else None
+    mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)
+    parse_mesh(mesh_text)
+    s = settings_from_args(a, preset)
+    ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else None
+    prompt_file = None
+    if a.prompt_file is not None:
+        try:
+            prompt_file = Path(a.prompt_file).read_text()
+        except OSError as exc:
+            raise EagleError(f"--prompt-file {a.prompt_file}: {exc.strerror}") from None
+    texts = a.prompt or ([prompt_file] if prompt_file is not None else None)
+    if a.json and ids is None and texts is None:
+        raise EagleError("--json needs a prompt (--prompt, --prompt-file or --prompt-ids)")
+    target_dir, draft_dir = resolve_dirs(a, preset)
+    dtype = cli.parse_dtype(a.dtype or (preset.dtype if preset else None))
+    mesh = make_mesh(mesh_text) if mesh_text else None
+    m = load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh)
+
+    tok = None
+    if ids is None:
+        tok = load_tokenizer(target_dir, preset.chat_template if preset else None)
+    use_template = tok is not None and not a.raw and tok.chat_template is not None
+    if tok is not None and not a.raw and not use_template:
+        print("note: the tokenizer has no chat template; prompts are used as raw text", file=sys.stderr)
+    if ids is None and texts is None:
+        chat(m, tok, s, use_template, a.system)
+        return 0
+
+    if ids is not None:
+        if max(max(r) for r in ids) >= m.tcfg.vocab_size:
+            raise EagleError(f"--prompt-ids: id {max(max(r) for r in ids)} is outside the vocabulary (0..{m.tcfg.vocab_size - 1})")
+        prompts = ids
+    else:
+        system = [{"role": "system", "content": a.system}] if a.system else []
+        prompts = [encode(tok, system + [{"role": "user", "content": t}], use_template) for t in texts]
+    single = len(prompts) == 1
+    printer = (TextStream(tok) if tok is not None else _print_ids) if single else None
+    outcome = generate_timed(m, prompts, s, printer)
+    if single:
+        print(flush=True)
+    else:
+        for row, tokens in enumerate(outcome.result.tokens):
+            shown = tok.decode(tokens, skip_special_tokens=True) if tok is not None else " ".join(map(str, tokens))
+            print(f"[{row}] {shown}")
+    print(stats_line(outcome, s.spec is not None), file=sys.stderr, flush=True)
+    if a.json:
+        _write_json(a.json, report(outcome, m, s, a))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
