@@ -49,16 +49,20 @@ def next_token_table(tcfg, tparams) -> np.ndarray:
     return np.asarray(jax.nn.softmax(out.logits[:, 1], axis=-1), np.float64)
 
 
-def chain_conversations(table: np.ndarray, n: int, answer_len: int, seed: int) -> list[dict]:
-    """ShareGPT records: 4 random user tokens, then an answer sampled from the target after the assistant header."""
+def chain_conversations(table: np.ndarray, n: int, answer_len: int, seed: int, greedy: bool = False) -> list[dict]:
+    """ShareGPT records: 4 random user tokens, then an answer sampled from the target after the assistant
+    header; greedy: the target's argmax chain from a random token (like the golden heads' training data)."""
     rng = np.random.default_rng(seed)
     cum = np.cumsum(table, axis=1)
     records = []
     for i in range(n):
         user = rng.integers(7, table.shape[0], 4)
-        answer, tok = [], ASSISTANT_HEADER
+        answer, tok = [], int(rng.integers(7, table.shape[0])) if greedy else ASSISTANT_HEADER
         for _ in range(answer_len):
-            tok = int(min(np.searchsorted(cum[tok], rng.random() * cum[tok, -1]), table.shape[0] - 1))
+            if greedy:
+                tok = int(np.argmax(table[tok]))
+            else:
+                tok = int(min(np.searchsorted(cum[tok], rng.random() * cum[tok, -1]), table.shape[0] - 1))
             answer.append(tok)
         records.append({"id": str(i), "conversations": [
             {"from": "human", "value": " ".join(f"t{t}" for t in user)},

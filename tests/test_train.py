@@ -90,6 +90,23 @@ def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdi
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_init_from_an_official_head(target_dir, golden_target, workdir, golden_dir):
+    """--init-head starts from the golden head and keeps its vocabulary map."""
+    out = workdir / "init"
+    greedy = write_jsonl(workdir / "greedy.jsonl", chain_conversations(next_token_table(*golden_target), 64, 40, 2, greedy=True))
+    args = ["--target", target_dir, "--data", greedy, "--out", out, "--steps", 2, *TINY[:-4], "--lr", "1e-6",
+            "--log-every", 1, "--init-head", golden_dir / "eagle3"]
+    res = run_module("train.eagle3", args, cli_env(workdir))
+    assert res.returncode == 0, res.stderr[-3000:]
+    first = read_jsonl(out / "metrics.jsonl")[0]
+    assert first["acc"][0] > 0.8  # on data like its own training data; a fresh head starts near 0
+    official = load_file(str(golden_dir / "eagle3" / "model.safetensors"))
+    exported = load_file(str(out / "export" / "model.safetensors"))
+    for key in ("d2t", "t2d"):
+        np.testing.assert_array_equal(np.load(out / "vocab_map.npz")[key], official[key])
+        np.testing.assert_array_equal(exported[key], official[key])
+
+
 def test_export_formats_load_back(tmp_path, golden_target):
     tcfg, _ = golden_target
     dcfg = eagle3.head_config(tcfg, 256)
