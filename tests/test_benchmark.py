@@ -1,0 +1,92 @@
+"""infer.benchmark on tiny inputs, and the shipped demo pair (speculative greedy == plain greedy)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = ROOT / "tests" / "golden"
+DEMO = ROOT / "demo"
+TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+CONTRACT = ("tau", "speedup", "c", "tokens_per_s_spec", "tokens_per_s_plain", "mismatches")
+
+
+@pytest.fixture(scope="module")
+def golden_with_template(tmp_path_factory) -> Path:
+    """The golden target with a chat template added (its tokenizer has none)."""
+    d = tmp_path_factory.mktemp("target")
+    for f in (GOLDEN / "target").iterdir():
+        shutil.copy(f, d / f.name)
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_benchmark_writes_contract(golden_with_template, tmp_path):
+    from infer import benchmark
+
+    q = tmp_path / "q.jsonl"
+    q.write_text(
+        json.dumps({"question_id": 1, "category": "writing",
+                    "turns": ["Write a short poem about the sea and the sky.", "Now make it rhyme."]}) + "\n"
+        + json.dumps({"question_id": 2, "category": "math", "turns": ["What is two plus two times three?"]}) + "\n"
+        + json.dumps({"question_id": 3, "category": "math", "turns": ["Not read: beyond --limit."]}) + "\n"
+    )
+    out = tmp_path / "r.json"
+    benchmark.main(["--questions", str(q), "--limit", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "30",
+                    "--target", str(golden_with_template), "--draft", str(GOLDEN / "eagle3"),
+                    "--total-tokens", "8", "--depth", "2", "--tree-top-k", "3", "--json", str(out), "--quiet"])
+    r = json.loads(out.read_text())
+    for k in CONTRACT:
+        assert k in r, k
+    assert r["mismatches"] == 0
+    assert r["questions"] == 2 and r["turns"] == 3
+    assert set(r["categories"]) == {"writing", "math"}
+    assert r["categories"]["writing"]["turns"] == 2
+    for k in CONTRACT:
+        assert k in r["categories"]["math"] and k in r["files"]["q"]
+    assert r["tau"] >= 1.0 and r["tokens_per_s_spec"] > 0 and r["tokens_per_s_plain"] > 0
+    assert len(r["n_alpha"]) == 3  # depth 2 -> up to 3 accepted draft tokens
+    assert out.with_suffix(".md").read_text().startswith("# Benchmark")
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_read_questions_errors(tmp_path):
+    from eagle_jax.errors import EagleError
+    from infer.benchmark import read_questions
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "turns": "not a list"}\n')
+    with pytest.raises(EagleError, match="turns"):
+        read_questions(bad, None)
+    with pytest.raises(EagleError, match="not found"):
+        read_questions(tmp_path / "missing.jsonl", None)
+
+
+@pytest.mark.skipif(not (DEMO / "eagle3" / "config.json").is_file(), reason="demo pair not built")
+def test_demo_pair_lossless():
+    from eagle_jax import engine
+    from eagle_jax.draft import load_draft
+    from eagle_jax.generate import generate
+    from eagle_jax.hf_io import load_target
+    from eagle_jax.tree import DynamicTree
+    from transformers import AutoTokenizer
+
+    tcfg, tparams = load_target(DEMO / "target")
+    dcfg, dparams = load_draft(DEMO / "eagle3", tcfg)
+    tok = AutoTokenizer.from_pretrained(str(DEMO / "target"))
+    assert tok.chat_template and tok.eos_token_id in tcfg.eos_token_ids
+    text = tok.apply_chat_template([{"role": "user", "content": "How do I make a cup of tea?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    plain = generate(tparams, tcfg, [ids], 32)
+    spec = engine.generate(tparams, tcfg, dparams, dcfg, [ids], 32,
+                           engine.SpecConfig(tree=DynamicTree(total_tokens=16, depth=4, top_k=4)))
+    assert spec.tokens[0] == plain.tokens[0]
+    assert spec.tau > 1.0  # the trained head gets some tokens accepted
