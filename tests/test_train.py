@@ -188,16 +188,20 @@ def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path, target_dir):
 # ---------------------------------------------------------------- regeneration
 
 
-def test_regenerate_replaces_answers_with_the_targets_greedy_ones(target_dir, chain_data, golden_target, tmp_path):
+def test_regenerate_replaces_answers_with_the_targets_greedy_ones(target_dir, chain_data, golden_target, golden_dir, tmp_path):
+    """Also reads the target from an eagle-jax store (config, weights and tokenizer in one directory)."""
     out = tmp_path / "regen.jsonl"
-    res = run_module("train.regenerate", ["--target", target_dir, "--data", chain_data[1], "--out", out,
+    tcfg, tparams = golden_target
+    config = json.loads((golden_dir / "target" / "config.json").read_text())
+    target_store = store.save(tmp_path / "store", target=store.TargetPart(config, tparams), tokenizer_from=target_dir,
+                              progress=False)
+    res = run_module("train.regenerate", ["--target", target_store, "--data", chain_data[1], "--out", out,
                                           "--max-new-tokens", 6, "--batch-size", 2, "--limit", 3], cli_env(tmp_path))
     assert res.returncode == 0, res.stderr[-3000:]
     source = [json.loads(line) for line in chain_data[1].read_text().splitlines()][:3]
     rows = read_jsonl(out)
     assert len(rows) == 3
     tokenizer = data.load_tokenizer(target_dir)
-    tcfg, tparams = golden_target
     prompts = [regenerate.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
                for r in source]
     expected = generate.generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos

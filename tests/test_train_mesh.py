@@ -34,7 +34,7 @@ def two_steps(golden_target, examples, fixed_batch):
     tcfg, tparams = golden_target
     dcfg = eagle3.head_config(tcfg, 256)
     d2t, t2d = ttt.build_vocab_map(data.token_counts(examples, 1024)[0], 256)
-    trainable = ttt.split_trainable(spec.init_params(draft.param_specs(dcfg), jax.random.key(0)))[0]
+    trainable = jax.device_get(ttt.split_trainable(spec.init_params(draft.param_specs(dcfg), jax.random.key(0)))[0])
     optimizer = eagle3.make_optimizer(RunConfig(target="", data=(), out="", steps=10, lr=1e-2, warmup=1))
 
     def run(mesh, bf16: bool = False) -> list[dict]:

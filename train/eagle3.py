@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from tqdm import tqdm
 
 from convert import orbax_to_torch
 from eagle_jax import checkpoint, cli, data, draft, engine, sharding, spec, store, target, ttt
-from eagle_jax.config import TargetConfig, load_target_config
+from eagle_jax.config import TargetConfig, load_target_config, target_config_from_hf
 from eagle_jax.draft import DraftConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.hf_io import load_target
@@ -75,6 +76,32 @@ class RunConfig:
 
 
 # ---------------------------------------------------------------- model and optimiser
+
+
+def target_config(path: str) -> TargetConfig:
+    """The target's config, from a Hugging Face directory or an eagle-jax store (weights not read)."""
+    if store.is_store(path):
+        m = store.read_manifest(path)
+        if m.target_config is None:
+            raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
+        return target_config_from_hf(m.target_config, m.generation_config)
+    return load_target_config(path)
+
+
+def target_tokenizer(path: str, chat_template: str | None):
+    """The target's tokenizer (a store keeps it in tokenizer/), with a chat template."""
+    tok_dir = store.tokenizer_dir(path) if store.is_store(path) else path
+    if tok_dir is None:
+        raise EagleError(f"{path}: the store holds no tokenizer; store the target with its tokenizer")
+    return data.load_tokenizer(tok_dir, chat_template)
+
+
+def target_params(path: str, dtype, shardings: PyTree, mesh: Mesh) -> PyTree:
+    """Target weights placed on the mesh: a store restores onto it directly, HF weights go via the host."""
+    if store.is_store(path):
+        return place(store.load_target_store(path, dtype, mesh)[1], shardings)
+    return place(load_target(path, dtype=dtype, progress=True)[1], shardings)
+
 
 
 def head_config(tcfg: TargetConfig, draft_vocab_size: int) -> DraftConfig:
@@ -149,8 +176,8 @@ def make_shardings(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.Gradi
 
 
 def place(tree: PyTree, shardings: PyTree) -> PyTree:
-    """Host or device arrays -> copies placed on the mesh (never aliases of the inputs)."""
-    return jax.tree.map(lambda x, s: sharding.put(np.asarray(jax.device_get(x)), s), tree, shardings)
+    """Host or device arrays -> arrays with these shardings (device arrays already placed are kept as they are)."""
+    return jax.tree.map(sharding.put, tree, shardings)
 
 
 def make_train_step(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.GradientTransformation,
@@ -361,7 +388,7 @@ def measure_tau(tparams: dict, tcfg: TargetConfig, dparams: dict, dcfg: DraftCon
 
 def parse_args(argv: Sequence[str] | None) -> RunConfig:
     p = cli.ArgumentParser(prog="python -m train.eagle3", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="Hugging Face target model directory (weights, config, tokenizer)")
+    p.add_argument("--target", required=True, help="target: Hugging Face directory (weights, config, tokenizer) or eagle-jax store")
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files (.json, .jsonl, .parquet)")
     p.add_argument("--out", required=True, help="run directory; reusing it resumes")
     p.add_argument("--steps", type=int, default=1000, help="optimiser updates")
@@ -408,15 +435,13 @@ def log(msg: str) -> None:
 
 def train(rc: RunConfig) -> dict:
     """Run (or resume) training; returns the last logged metrics record."""
-    from tqdm import tqdm
-
     out = Path(rc.out)
     mesh = sharding.make_mesh(rc.mesh or f"fsdp={jax.device_count()}")
     sharding.check_dims(mesh, {"batch": rc.batch_size}, "batch (--batch-size)")
     check_resume(rc, out)
 
-    tcfg = load_target_config(rc.target)  # weights later: bad flags and data fail first
-    tokenizer = data.load_tokenizer(rc.target, rc.chat_template)
+    tcfg = target_config(rc.target)  # weights later: bad flags and data fail first
+    tokenizer = target_tokenizer(rc.target, rc.chat_template)
     init_map = None
     if rc.init_head:
         dcfg, init_params = draft.load_draft(rc.init_head, tcfg, kind="eagle3")
@@ -434,11 +459,9 @@ def train(rc: RunConfig) -> dict:
     maps = vocab_map(rc, out, examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
-    tcfg, tparams_host = load_target(rc.target, dtype=compute_dtype if rc.bf16 else None, progress=True)
     optimizer = make_optimizer(rc)
-    sh = make_shardings(tcfg, dcfg, optimizer, mesh, tparams_host["embed"].dtype)
-    tparams = place(tparams_host, sh.target)
-    del tparams_host
+    sh = make_shardings(tcfg, dcfg, optimizer, mesh, compute_dtype)
+    tparams = target_params(rc.target, compute_dtype, sh.target, mesh)
     vmap_dev = place(maps, sh.vocab_map)
     trainable = place(trainable_init, sh.trainable)
     opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)

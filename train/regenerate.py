@@ -19,19 +19,20 @@ from pathlib import Path
 from typing import Sequence
 
 import jax
+from tqdm import tqdm
 
 from eagle_jax import cli, data, sharding, target
 from eagle_jax.errors import EagleError
 from eagle_jax.generate import generate
-from eagle_jax.hf_io import load_target
 from eagle_jax.sampling import SamplingConfig
+from train import eagle3
 
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = cli.ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True, help="Hugging Face target model directory")
+    p.add_argument("--target", required=True, help="target: Hugging Face directory or eagle-jax store")
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files")
     p.add_argument("--out", required=True, help="output JSONL (ShareGPT format); an existing file is continued")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn")
@@ -133,14 +134,11 @@ def count_lines(path: Path) -> int:
 
 def run(a: argparse.Namespace) -> dict[str, int]:
     out = Path(a.out)
-    cfg, host_params = load_target(a.target, progress=True)
-    if a.mesh:
-        mesh = sharding.make_mesh(a.mesh)
-        params = sharding.shard_params(host_params, target.param_specs(cfg), mesh)
-    else:
-        params = jax.device_put(host_params)
-    tokenizer = data.load_tokenizer(a.target, a.chat_template)
+    cfg = eagle3.target_config(a.target)
+    tokenizer = eagle3.target_tokenizer(a.target, a.chat_template)
     sampling = SamplingConfig(a.temperature, a.top_p, a.top_k)
+    mesh = sharding.make_mesh(a.mesh) if a.mesh else sharding.make_mesh(None, jax.devices()[:1])
+    shardings = sharding.param_shardings(target.param_specs(cfg), mesh, sharding.rules_for(cfg.num_kv_heads, mesh))
 
     convs: list[tuple[str, list[dict[str, str]]]] = []
     for where, turns, _ in data.iter_conversations(a.data):
@@ -148,12 +146,11 @@ def run(a: argparse.Namespace) -> dict[str, int]:
             convs.append((where, turns))
             if a.limit is not None and len(convs) == a.limit:
                 break
+    params = eagle3.target_params(a.target, None, shardings, mesh)
     out.parent.mkdir(parents=True, exist_ok=True)
     skip = count_lines(out)
     if skip:
         print(f"{out}: continuing after {skip} conversations already written", file=sys.stderr)
-    from tqdm import tqdm
-
     chunk = a.batch_size * 8
     totals = {"conversations": 0}
     with tqdm(total=len(convs), initial=skip, desc="regenerate", unit="conv") as bar:
