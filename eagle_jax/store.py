@@ -189,9 +189,8 @@ def save(out: str | Path, target: TargetPart | None = None, draft: DraftPart | N
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ckpt = _checkpointer()
-    with tqdm(total=sum(_nbytes(p) for p in parts.values()), unit="B", unit_scale=True, desc=f"saving {out.name}",
-              disable=not progress) as bar:
+    with _checkpointer() as ckpt, tqdm(total=sum(_nbytes(p) for p in parts.values()), unit="B", unit_scale=True,
+                                       desc=f"saving {out.name}", disable=not progress) as bar:
         for name, params in parts.items():
             bar.set_postfix_str(name)
             ckpt.save(tmp / name, args=ocp.args.StandardSave(params))
@@ -238,8 +237,7 @@ def _restore(path: Path, specs: PyTree, mesh: Mesh | None) -> PyTree:
         sharding = logical_sharding(s.shape, s.axes, mesh) if mesh is not None else None
         return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
 
-    ckpt = _checkpointer()
-    with _quiet_orbax():
+    with _checkpointer() as ckpt, _quiet_orbax():
         try:
             stored = ckpt.metadata(path).item_metadata
         except Exception as exc:  # orbax raises several types for unreadable metadata

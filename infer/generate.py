@@ -262,7 +262,7 @@ def stats_line(o: Outcome, spec: bool) -> str:
     return f"[{sum(r.new_tokens)} new tokens, {sum(r.cycles)} cycles, tau {r.tau:.2f}, {speed}, {o.seconds:.2f} s]"
 
 
-def report(o: Outcome, m: Models, s: Settings, a: argparse.Namespace) -> dict:
+def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argparse.Namespace) -> dict:
     """The --json document: the contract fields first, then statistics and settings."""
     r = o.result
     new, cycles = sum(r.new_tokens), sum(r.cycles)
@@ -278,6 +278,7 @@ def report(o: Outcome, m: Models, s: Settings, a: argparse.Namespace) -> dict:
                  for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)],
         "accept_histogram": r.accept_histogram(max_accept),
         "n_alpha": r.n_alpha(max_accept) if s.spec else [],
+        "prompt_ids": prompts,
         "seconds": o.seconds,
         "tokens_per_s": new / o.seconds if o.seconds > 0 else None,
         "settings": {
@@ -310,6 +311,7 @@ def _write_json(path: str, doc: dict) -> None:
 def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) -> None:
     """Multi-turn chat on stdin/stdout; the oldest turns are dropped when the conversation outgrows the cache."""
     capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
+    s = dataclasses.replace(s, warmup=False)  # one capacity for the session: only the first turn compiles
     interactive = sys.stdin.isatty()
     print(f"chatting with {m.target_dir.name}" + (f" + {m.dcfg.kind.upper()} head" if m.dcfg else "")
           + "; /exit or end of input quits", file=sys.stderr)
@@ -432,7 +434,7 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"[{row}] {shown}")
     print(stats_line(outcome, s.spec is not None), file=sys.stderr, flush=True)
     if a.json:
-        _write_json(a.json, report(outcome, m, s, a))
+        _write_json(a.json, report(outcome, prompts, m, s, a))
     return 0
 
 

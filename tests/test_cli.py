@@ -1,0 +1,279 @@
+"""python -m infer.generate: the JSON contract, stores on a mesh, presets, text and chat, one-line errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from convert import torch_to_orbax
+from eagle_jax import generate as plain
+from eagle_jax import presets
+from eagle_jax.engine import SpecConfig
+from eagle_jax.errors import EagleError
+from eagle_jax.tree import DynamicTree, StaticTree
+from infer import generate as cli_generate
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = ROOT / "tests" / "golden"
+TARGET, EAGLE3, EAGLE1 = (str(GOLDEN / d) for d in ("target", "eagle3", "eagle1"))
+CONTRACT_KEYS = {"output_ids", "accept_lengths", "cycles", "new_tokens", "tau"}
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> dict[str, str]:
+    """Subprocess environment: CPU, and one persistent compilation cache shared by the runs."""
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("xla"))}
+
+
+def launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "infer.generate", *args], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:
+    return finish(launch(args, env))
+
+
+def ids_arg(*rows: list[int]) -> str:
+    return ";".join(",".join(map(str, r)) for r in rows)
+
+
+def prompt(reference, i: int) -> list[int]:
+    return reference[f"p{i}.input_ids"].tolist()
+
+
+def greedy(reference, i: int, n: int) -> list[int]:
+    return reference[f"p{i}.greedy_ids"][len(prompt(reference, i)):][:n].tolist()
+
+
+def in_process(args: list[str], capsys) -> tuple[int, str, str]:
+    code = cli_generate.main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# ---------------------------------------------------------------- the JSON contract
+
+
+def test_json_contract(reference, env, tmp_path):
+    """Golden greedy ids from the speculative run and from --no-spec; contract fields consistent."""
+    args = ["--target", TARGET, "--draft", EAGLE3, "--prompt-ids", ids_arg(prompt(reference, 0)), "--max-new-tokens", "20"]
+    code, out, err = run(args + ["--json", str(tmp_path / "spec.json")], env)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "spec.json").read_text())
+    assert CONTRACT_KEYS <= set(doc)
+    assert doc["output_ids"] == [greedy(reference, 0, 20)]
+    assert out.split() == [str(t) for t in doc["output_ids"][0]]  # streamed ids
+    acc = doc["accept_lengths"]
+    assert len(acc) == 1 and doc["cycles"] == len(acc[0]) and doc["new_tokens"] == 20
+    assert all(0 <= a <= 8 for a in acc[0]) and sum(a + 1 for a in acc[0]) >= 20
+    assert doc["tau"] == pytest.approx(20 / doc["cycles"])
+    assert sum(doc["accept_histogram"]) == doc["cycles"] and len(doc["n_alpha"]) == 8
+    assert doc["settings"]["tree"] == {"total_tokens": 60, "depth": 7, "top_k": 10}
+    assert err.strip().splitlines()[-1].startswith("[20 new tokens, ")
+    code, _, err = run(args + ["--no-spec", "--json", str(tmp_path / "plain.json")], env)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "plain.json").read_text())
+    assert doc["output_ids"] == [greedy(reference, 0, 20)]
+    assert doc["cycles"] == doc["new_tokens"] == 20 and doc["tau"] == 1.0
+
+
+def test_batch_rows_static_tree(reference, tmp_path, capsys):
+    """Two rows of different lengths with the EAGLE-1 head and the static tree; per-row lists."""
+    out = tmp_path / "batch.json"
+    code, stdout, err = in_process(["--target", TARGET, "--draft", EAGLE1, "--tree", "static", "--prompt-ids",
+                                    ids_arg(prompt(reference, 1), prompt(reference, 2)), "--max-new-tokens", "16",
+                                    "--json", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["output_ids"] == [greedy(reference, 1, 16), greedy(reference, 2, 16)]
+    assert [len(a) for a in doc["accept_lengths"]] == [r["cycles"] for r in doc["rows"]]
+    assert doc["cycles"] == sum(r["cycles"] for r in doc["rows"]) and doc["new_tokens"] == 32
+    assert doc["settings"]["draft_kind"] == "eagle1" and len(doc["settings"]["tree"]["static_paths"]) == 25
+    assert stdout.splitlines()[0].startswith("[0] ")
+
+
+def test_store_on_a_mesh(reference, tmp_path, capsys):
+    """A converted store (target + head in one directory) restored onto data=2,tensor=4 gives the golden ids."""
+    ckpt = torch_to_orbax.convert(TARGET, EAGLE3, tmp_path / "store", progress=False)
+    out = tmp_path / "mesh.json"
+    code, _, err = in_process(["--target", str(ckpt), "--mesh", "data=2,tensor=4", "--prompt-ids",
+                               ids_arg(prompt(reference, 3)), "--max-new-tokens", "12", "--total-tokens", "16",
+                               "--depth", "4", "--tree-top-k", "4", "--json", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["output_ids"] == [greedy(reference, 3, 12)]
+    assert doc["settings"]["draft"] == str(ckpt) and doc["settings"]["mesh"] == "data=2,tensor=4"
+
+
+def test_clamp_warning(reference, env, tmp_path):
+    """--max-new-tokens beyond the cache is clamped, with one warning line."""
+    code, _, err = run(["--target", TARGET, "--draft", EAGLE3, "--prompt-ids", ids_arg(prompt(reference, 0)),
+                        "--max-new-tokens", "500", "--max-len", "128", "--json", str(tmp_path / "c.json")], env)
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "clamped to" in warnings[0]
+    clamped = 128 - SpecConfig().cache_overhead - len(prompt(reference, 0))
+    doc = json.loads((tmp_path / "c.json").read_text())
+    assert doc["output_ids"] == [greedy(reference, 0, clamped)]
+    assert doc["settings"]["max_new_tokens"] == clamped
+
+
+# ---------------------------------------------------------------- text and chat
+
+
+def test_text_prompt_equals_ids(tmp_path, capsys):
+    code, out, err = in_process(["--target", TARGET, "--draft", EAGLE3, "--prompt", "t5 t9 t100", "--raw",
+                                 "--max-new-tokens", "10", "--json", str(tmp_path / "t.json")], capsys)
+    assert code == 0, err
+    text_ids = json.loads((tmp_path / "t.json").read_text())["output_ids"]
+    code, _, err = in_process(["--target", TARGET, "--draft", EAGLE3, "--prompt-ids", "5,9,100", "--max-new-tokens", "10",
+                               "--json", str(tmp_path / "i.json")], capsys)
+    assert code == 0, err
+    assert json.loads((tmp_path / "i.json").read_text())["output_ids"] == text_ids
+    assert out.strip() == " ".join(f"t{t}" for t in text_ids[0])  # the WordLevel tokenizer's decoding
+
+
+def test_chat_keeps_history(golden_target, monkeypatch, capsys):
+    """Two turns on stdin, then /exit; the second turn continues the whole conversation."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("t5 t9\n\nt7 t8\n/exit\nt3\n"))
+    code, out, err = in_process(["--target", TARGET, "--draft", EAGLE3, "--max-new-tokens", "6", "--total-tokens", "16",
+                                 "--depth", "4", "--tree-top-k", "4"], capsys)
+    assert code == 0, err
+    replies = out.strip().splitlines()
+    assert len(replies) == 2 and len(err.strip().splitlines()) == 4  # note, banner, two stats lines
+    cfg, params = golden_target
+    history = "\n".join(["t5 t9", replies[0], "t7 t8"])
+    ids = [int(w[1:]) for w in history.split()]
+    assert replies[1].split() == [f"t{t}" for t in plain.generate(params, cfg, [ids], 6).tokens[0]]
+
+
+# ---------------------------------------------------------------- presets
+
+
+def test_every_preset_is_valid():
+    names = presets.available()
+    assert len(names) >= 7
+    loaded = {n: presets.load_preset(n) for n in names}
+    pairs = {(p.target.hub, p.draft.hub, p.draft_kind) for p in loaded.values()}
+    assert {
+        ("meta-llama/Llama-3.1-8B-Instruct", "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", "eagle3"),
+        ("meta-llama/Llama-3.3-70B-Instruct", "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B", "eagle3"),
+        ("lmsys/vicuna-13b-v1.3", "yuhuili/EAGLE3-Vicuna1.3-13B", "eagle3"),
+        ("lmsys/vicuna-7b-v1.3", "yuhuili/EAGLE-Vicuna-7B-v1.3", "eagle1"),
+        ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B", "yuhuili/EAGLE3-DeepSeek-R1-Distill-LLaMA-8B", "eagle3"),
+        ("Qwen/Qwen3-8B", "Tengyunw/qwen3_8b_eagle3", "eagle3"),
+        ("mistralai/Mixtral-8x7B-Instruct-v0.1", "yuhuili/EAGLE-mixtral-instruct-8x7B", "eagle1"),
+    } <= pairs
+    assert isinstance(loaded["vicuna-7b-eagle1"].tree, StaticTree) and loaded["vicuna-7b-eagle1"].tree.num_nodes == 26
+    assert loaded["llama3.3-70b-eagle3"].mesh == "tensor=8"
+    for p in loaded.values():
+        assert p.description and p.dtype in ("bf16", "fp16", "fp32")
+        assert isinstance(p.tree, StaticTree) or p.tree == DynamicTree(60, 7, 10)
+
+
+def test_preset_paths(tmp_path, monkeypatch):
+    p = presets.load_preset("llama3.1-8b-eagle3")
+    monkeypatch.setenv(presets.MODELS_ENV, str(tmp_path))
+    with pytest.raises(EagleError) as err:
+        p.model_dir("target")
+    message = str(err.value)
+    assert "\n" not in message and str(tmp_path / "Llama-3.1-8B-Instruct") in message
+    assert "meta-llama/Llama-3.1-8B-Instruct" in message and "--target" in message
+    (tmp_path / "EAGLE3-LLaMA3.1-Instruct-8B").mkdir()
+    assert p.model_dir("draft") == tmp_path / "EAGLE3-LLaMA3.1-Instruct-8B"
+    with pytest.raises(EagleError, match="unknown keys"):
+        presets.preset_from_dict({"description": "x", "target": {"hub": "a/b"}, "draft": {"hub": "a/c", "kind": "eagle3"},
+                                  "tree": {"total_tokens": 16}, "dtype": "bf16", "temperature": 1}, "bad")
+
+
+def test_preset_with_local_models(reference, tmp_path, capsys):
+    """A preset file whose folders live under --models drives the whole run (tree and budget included)."""
+    preset = {"description": "golden pair", "target": {"hub": "golden/target", "dir": "target"},
+              "draft": {"hub": "golden/eagle3", "dir": "eagle3", "kind": "eagle3"},
+              "tree": {"total_tokens": 16, "depth": 4, "top_k": 4}, "dtype": "fp32", "generation": {"max_new_tokens": 12}}
+    path = tmp_path / "golden.json"
+    path.write_text(json.dumps(preset))
+    code, _, err = in_process(["--config", str(path), "--models", str(GOLDEN), "--prompt-ids", ids_arg(prompt(reference, 1)),
+                               "--json", str(tmp_path / "p.json")], capsys)
+    assert code == 0, err
+    doc = json.loads((tmp_path / "p.json").read_text())
+    assert doc["output_ids"] == [greedy(reference, 1, 12)]
+    assert doc["settings"]["tree"] == {"total_tokens": 16, "depth": 4, "top_k": 4}
+
+
+# ---------------------------------------------------------------- bad input: one line, exit code 2
+
+
+@pytest.fixture(scope="module")
+def broken_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("broken")
+    truncated = root / "truncated"
+    truncated.mkdir()
+    shutil.copy(GOLDEN / "eagle3" / "config.json", truncated)
+    (truncated / "model.safetensors").write_bytes((GOLDEN / "eagle3" / "model.safetensors").read_bytes()[:5000])
+    other = root / "other"
+    shutil.copytree(GOLDEN / "eagle3", other)
+    cfg = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 32000, "hidden_size": 4096}))
+    no_config = root / "no_config"
+    no_config.mkdir()
+    shutil.copy(GOLDEN / "eagle3" / "model.safetensors", no_config)
+    return {"truncated": str(truncated), "other": str(other), "no_config": str(no_config), "root": str(root)}
+
+
+BAD_INPUT = {
+    "missing target dir": ["--target", "/nonexistent/target", "--draft", EAGLE3],
+    "missing draft dir": ["--target", TARGET, "--draft", "/nonexistent/head"],
+    "draft without config.json": ["--target", TARGET, "--draft", "{no_config}"],
+    "missing prompt file": ["--target", TARGET, "--draft", EAGLE3, "--prompt-file", "/nonexistent/prompt.txt"],
+    "truncated safetensors": ["--target", TARGET, "--draft", "{truncated}"],
+    "head for another target": ["--target", TARGET, "--draft", "{other}"],
+    "eagle1 head forced as eagle3": ["--target", TARGET, "--draft", EAGLE1, "--draft-kind", "eagle3"],
+    "prompt longer than the cache": ["--target", TARGET, "--draft", EAGLE3, "--max-len", "128",
+                                     "--prompt-ids", ",".join(["5"] * 100)],
+    "bad mesh string": ["--target", TARGET, "--draft", EAGLE3, "--mesh", "tensor=x"],
+    "mesh not matching the devices": ["--target", TARGET, "--draft", EAGLE3, "--mesh", "tensor=3"],
+    "unknown preset": ["--config", "no-such-preset"],
+    "preset folders missing": ["--config", "llama3.1-8b-eagle3", "--models", "{root}"],
+    "unknown dtype": ["--target", TARGET, "--draft", EAGLE3, "--dtype", "int8"],
+    "unknown draft kind": ["--target", TARGET, "--draft", EAGLE3, "--draft-kind", "eagle2"],
+    "unknown flag": ["--target", TARGET, "--draft", EAGLE3, "--beams", "4"],
+    "bad prompt ids": ["--target", TARGET, "--draft", EAGLE3, "--prompt-ids", "1,x;3"],
+    "prompt id outside the vocabulary": ["--target", TARGET, "--draft", EAGLE3, "--prompt-ids", "1,5000"],
+    "bad static tree": ["--target", TARGET, "--draft", EAGLE3, "--tree", "[[0],[0,0,1]]"],
+    "negative temperature": ["--target", TARGET, "--draft", EAGLE3, "--temperature", "-1"],
+}
+
+
+@pytest.fixture(scope="module")
+def bad_runs(broken_dirs, env) -> dict[str, tuple[int, str, str]]:
+    """Every bad-input case, run concurrently."""
+    procs = {}
+    for name, args in BAD_INPUT.items():
+        args = [a.format(**broken_dirs) for a in args]
+        if "--prompt-ids" not in args and "--prompt-file" not in args:
+            args += ["--prompt-ids", "1,5,9"]
+        procs[name] = launch(args + ["--max-new-tokens", "4"], env)
+    return {name: finish(p) for name, p in procs.items()}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line(case, bad_runs):
+    code, out, err = bad_runs[case]
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert out == ""
