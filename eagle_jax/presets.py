@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eagle_jax.cli import DTYPES
 from eagle_jax.draft import KINDS
 from eagle_jax.errors import EagleError
 from eagle_jax.sharding import parse_mesh
@@ -30,7 +31,6 @@ from eagle_jax.tree import DynamicTree, TreeConfig, parse_static
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MODELS_ENV = "EAGLE_JAX_MODELS"
-DTYPE_NAMES = ("bf16", "fp16", "fp32")
 GENERATION_KEYS = {"max_new_tokens": int, "temperature": float, "top_p": float, "top_k": int}
 
 
@@ -97,8 +97,8 @@ def preset_from_dict(raw: dict, name: str) -> Preset:
     kind = draft.get("kind") if isinstance(draft, dict) else None
     if kind not in KINDS:
         raise EagleError(f"{where}: draft.kind must be one of {', '.join(KINDS)}")
-    if raw["dtype"] not in DTYPE_NAMES:
-        raise EagleError(f"{where}: dtype must be one of {', '.join(DTYPE_NAMES)}")
+    if raw["dtype"] not in DTYPES:
+        raise EagleError(f"{where}: dtype must be one of {', '.join(DTYPES)}")
     if raw.get("mesh") is not None:
         parse_mesh(raw["mesh"])
     generation = raw.get("generation") or {}
