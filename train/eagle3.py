@@ -103,7 +103,6 @@ def target_params(path: str, dtype, shardings: PyTree, mesh: Mesh) -> PyTree:
     return place(load_target(path, dtype=dtype, progress=True)[1], shardings)
 
 
-
 def head_config(tcfg: TargetConfig, draft_vocab_size: int) -> DraftConfig:
     """A one-layer EAGLE-3 head shaped like a target layer (hidden, heads, kv heads, MLP, rope)."""
     if not 0 < draft_vocab_size <= tcfg.vocab_size:
@@ -444,7 +443,7 @@ def train(rc: RunConfig) -> dict:
     tokenizer = target_tokenizer(rc.target, rc.chat_template)
     init_map = None
     if rc.init_head:
-        dcfg, init_params = draft.load_draft(rc.init_head, tcfg, kind="eagle3")
+        dcfg, init_params = draft.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)  # fp32 master
         if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
             raise EagleError(f"--draft-vocab-size {rc.draft_vocab_size} differs from {rc.init_head} ({dcfg.draft_vocab_size})")
         trainable_init, init_map = ttt.split_trainable(init_params)
