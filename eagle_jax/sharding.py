@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle_jax.errors import EagleError
-from eagle_jax.spec import ParamSpec, is_spec, map_specs
+from eagle_jax.spec import ParamSpec, map_specs
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -38,6 +38,7 @@ def parse_mesh(text: str | None) -> dict[str, int]:
     sizes = {axis: 1 for axis in MESH_AXES}
     if not text:
         return sizes
+    seen: set[str] = set()
     for part in text.split(","):
         name, sep, value = part.strip().partition("=")
         if not sep or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
@@ -45,6 +46,9 @@ def parse_mesh(text: str | None) -> dict[str, int]:
                 f"bad --mesh entry {part.strip()!r}: expected comma-separated AXIS=N with AXIS in "
                 f"{', '.join(MESH_AXES)} (e.g. data=2,tensor=4)"
             )
+        if name in seen:
+            raise EagleError(f"bad --mesh {text!r}: axis {name} is given twice")
+        seen.add(name)
         sizes[name] = int(value)
     return sizes
 
@@ -53,6 +57,9 @@ def make_mesh(text: str | None, devices: Sequence[Any] | None = None) -> Mesh:
     """Build a (data, fsdp, tensor) mesh whose axis sizes multiply to the device count."""
     sizes = parse_mesh(text)
     devices = list(devices if devices is not None else jax.devices())
+    for axis in MESH_AXES:
+        if len(devices) % sizes[axis]:
+            raise EagleError(f"--mesh {text!r}: {axis}={sizes[axis]} does not divide the {len(devices)} devices")
     need = math.prod(sizes.values())
     if need != len(devices):
         raise EagleError(
@@ -63,17 +70,46 @@ def make_mesh(text: str | None, devices: Sequence[Any] | None = None) -> Mesh:
     return Mesh(grid, MESH_AXES)
 
 
-def partition_spec(axes: Sequence[str | None], rules: dict = LOGICAL_RULES) -> PartitionSpec:
+def mesh_axes(name: str, rules: Mapping[str, Any] = LOGICAL_RULES) -> tuple[str, ...]:
+    """The mesh axes a logical axis is split over (empty: replicated)."""
+    entry = rules.get(name)
+    return () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+
+
+def rules_for(num_kv_heads: int, mesh: Mesh, rules: Mapping[str, Any] = LOGICAL_RULES) -> dict[str, Any]:
+    """The rules for a model with `num_kv_heads` key/value heads on `mesh`.
+
+    Grouped-query attention often has fewer kv heads than the tensor axis (8 kv heads, tensor=16).
+    Splitting below one head would cut head_dim across devices, so then the kv projections and the
+    KV caches are replicated over tensor instead: every device holds all kv heads (the cache costs
+    tensor/kv_heads times more memory than an even split) and its query heads pick their group locally.
+    """
+    tensor = math.prod(mesh.shape[a] for a in mesh_axes("kv_heads", rules))
+    return {**rules, "kv_heads": None} if num_kv_heads < tensor else dict(rules)
+
+
+def check_dims(mesh: Mesh, dims: Mapping[str, int], what: str, rules: Mapping[str, Any] = LOGICAL_RULES) -> None:
+    """Raise a one-line error when the mesh axes of a logical axis do not divide its size.
+
+    dims: logical axis -> size, e.g. {"heads": 64, "vocab": 128256, "batch": 8}.
+    """
+    for name, size in dims.items():
+        axes = [a for a in mesh_axes(name, rules) if mesh.shape[a] > 1]
+        split = math.prod(mesh.shape[a] for a in axes)
+        if size % split:
+            shown = ",".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise EagleError(
+                f"--mesh {shown} does not divide {name}={size} of the {what} ({name} is split over "
+                f"{'*'.join(axes)}); use sizes whose product divides {size}"
+            )
+
+
+def partition_spec(axes: Sequence[str | None], rules: Mapping[str, Any] = LOGICAL_RULES) -> PartitionSpec:
     """Map logical axis names to a PartitionSpec, never using a mesh axis twice."""
     used: set[str] = set()
     out = []
     for name in axes:
-        mesh_axes = rules.get(name) if name else None
-        if mesh_axes is None:
-            out.append(None)
-            continue
-        mesh_axes = (mesh_axes,) if isinstance(mesh_axes, str) else tuple(mesh_axes)
-        free = tuple(a for a in mesh_axes if a not in used)
+        free = tuple(a for a in (mesh_axes(name, rules) if name else ()) if a not in used)
         used.update(free)
         out.append(free if len(free) > 1 else (free[0] if free else None))
     return PartitionSpec(*out)
@@ -93,33 +129,41 @@ def _fit(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpec
     return PartitionSpec(*out)
 
 
-def logical_sharding(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, _fit(shape, partition_spec(axes), mesh))
+def logical_sharding(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh,
+                     rules: Mapping[str, Any] = LOGICAL_RULES) -> NamedSharding:
+    return NamedSharding(mesh, _fit(shape, partition_spec(axes, rules), mesh))
 
 
-def param_shardings(specs: Any, mesh: Mesh) -> Any:
+def param_shardings(specs: Any, mesh: Mesh, rules: Mapping[str, Any] = LOGICAL_RULES) -> Any:
     """NamedSharding for every parameter spec in a tree."""
-    return map_specs(lambda s: logical_sharding(s.shape, s.axes, mesh), specs)
+    return map_specs(lambda s: logical_sharding(s.shape, s.axes, mesh, rules), specs)
 
 
-def shard_params(params: Any, specs: Any, mesh: Mesh) -> Any:
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """Place one host or device array; host arrays go shard by shard (works across hosts too)."""
+    if isinstance(x, jax.Array):
+        return jax.device_put(x, sharding)
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def shard_params(params: Any, specs: Any, mesh: Mesh, rules: Mapping[str, Any] = LOGICAL_RULES) -> Any:
     """Place (host or device) parameters onto the mesh by their logical axes."""
-    return jax.tree.map(
-        lambda p, s: jax.device_put(p, logical_sharding(s.shape, s.axes, mesh)),
-        params,
-        specs,
-        is_leaf=lambda x: is_spec(x),
-    )
+    return jax.tree.map(put, params, param_shardings(specs, mesh, rules))
 
 
 __all__ = [
     "LOGICAL_RULES",
     "MESH_AXES",
     "ParamSpec",
+    "check_dims",
     "logical_sharding",
     "make_mesh",
+    "mesh_axes",
     "param_shardings",
     "parse_mesh",
     "partition_spec",
+    "put",
+    "rules_for",
     "shard_params",
 ]

@@ -1,0 +1,223 @@
+"""Speculative and plain generation on a device mesh.
+
+Parameters, KV caches and loop state are placed by their logical axes (`sharding.LOGICAL_RULES`):
+attention heads, MLP width and vocabularies over `tensor`, batch rows over `data` (and `fsdp`),
+everything else replicated. The engine's jitted prefill and generation loop are jitted again with
+these in/out shardings, so the state keeps its layout across cycles and the loop never reshards.
+The model code is unchanged: XLA's partitioner derives the collectives from the placements.
+
+Batches that `data * fsdp` does not divide are padded with idle rows (a one-token prompt and a
+zero budget: done before the first cycle) and the result drops them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from eagle_jax import draft, engine, generate as plain, sharding, target
+from eagle_jax.config import TargetConfig
+from eagle_jax.draft import DraftConfig
+from eagle_jax.engine import SpecConfig, SpecResult, SpecState
+from eagle_jax.generate import DecodeState, GenerationResult
+from eagle_jax.kv_cache import CACHE_AXES, KVCache
+from eagle_jax.sampling import SamplingConfig
+
+PyTree = Any
+BATCH = ("batch",)
+
+
+def target_dims(tcfg: TargetConfig) -> dict[str, int]:
+    """Sizes of the target's split logical axes."""
+    return {"heads": tcfg.num_heads, "kv_heads": tcfg.num_kv_heads, "mlp": tcfg.intermediate_size,
+            "vocab": tcfg.vocab_size, "embed": tcfg.hidden_size}
+
+
+def draft_dims(dcfg: DraftConfig) -> dict[str, int]:
+    """Sizes of the draft head's split logical axes."""
+    dims = {"heads": dcfg.num_heads, "kv_heads": dcfg.num_kv_heads, "mlp": dcfg.intermediate_size,
+            "embed": dcfg.hidden_size}
+    return {**dims, "draft_vocab": dcfg.draft_vocab_size} if dcfg.kind == "eagle3" else dims
+
+
+def check_mesh(mesh: Mesh, tcfg: TargetConfig, dcfg: DraftConfig | None = None, batch: int | None = None) -> None:
+    """One-line EagleError when a mesh axis does not divide a model dimension or the batch.
+
+    kv heads fewer than `tensor` are replicated (`sharding.rules_for`), not an error.
+    """
+    sharding.check_dims(mesh, target_dims(tcfg), "target", sharding.rules_for(tcfg.num_kv_heads, mesh))
+    if dcfg is not None:
+        sharding.check_dims(mesh, draft_dims(dcfg), "draft head", sharding.rules_for(dcfg.num_kv_heads, mesh))
+    if batch is not None:
+        sharding.check_dims(mesh, {"batch": batch}, "inputs")
+
+
+def data_parallelism(mesh: Mesh) -> int:
+    """How many ways the batch is split."""
+    return math.prod(mesh.shape[a] for a in sharding.mesh_axes("batch"))
+
+
+def _named(mesh: Mesh, rules: dict, axes: tuple[str | None, ...]) -> NamedSharding:
+    """Logical axes -> NamedSharding (sizes are assumed checked by `check_mesh`)."""
+    return NamedSharding(mesh, sharding.partition_spec(axes, rules))
+
+
+def target_shardings(tcfg: TargetConfig, mesh: Mesh) -> PyTree:
+    return sharding.param_shardings(target.param_specs(tcfg), mesh, sharding.rules_for(tcfg.num_kv_heads, mesh))
+
+
+def draft_shardings(dcfg: DraftConfig, mesh: Mesh) -> PyTree:
+    return sharding.param_shardings(draft.param_specs(dcfg), mesh, sharding.rules_for(dcfg.num_kv_heads, mesh))
+
+
+def cache_shardings(num_kv_heads: int, mesh: Mesh) -> KVCache:
+    """KV caches [L, B, S, KV, D]: batch over data, kv heads over tensor (or replicated), lengths over data."""
+    rules = sharding.rules_for(num_kv_heads, mesh)
+    return KVCache(_named(mesh, rules, CACHE_AXES), _named(mesh, rules, CACHE_AXES), _named(mesh, rules, BATCH))
+
+
+def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh) -> SpecState:
+    by_row, by_row_wide, by_step, replicated = (
+        _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), (None, "batch"), ()))
+    return SpecState(
+        target_cache=cache_shardings(tcfg.num_kv_heads, mesh),
+        draft_cache=cache_shardings(dcfg.num_kv_heads, mesh),
+        root=by_row, draft_hidden=by_row_wide, out=by_row_wide, counts=by_row, limits=by_row, done=by_row,
+        eos=by_row, cycle=replicated, accept_lengths=by_step, key=replicated,
+    )
+
+
+def decode_state_shardings(tcfg: TargetConfig, mesh: Mesh) -> DecodeState:
+    by_row, by_row_wide, replicated = (_named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), ()))
+    return DecodeState(step=replicated, last=by_row, done=by_row, eos=by_row, counts=by_row, out=by_row_wide,
+                       cache=cache_shardings(tcfg.num_kv_heads, mesh))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPrograms:
+    """The engine's prefill and generation loop for one setting, jitted with in/out shardings.
+
+    prefill(tparams, dparams, tokens [B, P], lengths [B], limits [B], key) -> SpecState
+    run(tparams, dparams, state) -> SpecState (state donated)
+    """
+
+    target: PyTree  # NamedShardings of the target parameters
+    draft: PyTree
+    state: SpecState
+    rows: NamedSharding  # [B, ...] host inputs
+    replicated: NamedSharding
+    prefill: Any
+    run: Any
+
+
+@functools.lru_cache(maxsize=16)
+def spec_programs(tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig, capacity: int, mesh: Mesh) -> SpecPrograms:
+    check_mesh(mesh, tcfg, dcfg)
+    tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh)
+    ssh = spec_state_shardings(tcfg, dcfg, mesh)
+    rows, replicated = ssh.counts, ssh.key
+    static = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+    prefill = jax.jit(functools.partial(engine.prefill, capacity=capacity, **static),
+                      in_shardings=(tsh, dsh, rows, rows, rows, replicated), out_shardings=ssh)
+    run = jax.jit(functools.partial(engine.run, **static), in_shardings=(tsh, dsh, ssh), out_shardings=ssh,
+                  donate_argnums=(2,))
+    return SpecPrograms(tsh, dsh, ssh, rows, replicated, prefill, run)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainPrograms:
+    """Plain generation's prefill and decode loop for one setting, jitted with in/out shardings.
+
+    prefill(params, tokens [B, P], lengths [B], key) -> (KVCache, first [B])
+    decode(params, cache, first [B], limits [B], key) -> DecodeState (cache donated)
+    """
+
+    target: PyTree
+    rows: NamedSharding
+    replicated: NamedSharding
+    prefill: Any
+    decode: Any
+
+
+@functools.lru_cache(maxsize=16)
+def plain_programs(tcfg: TargetConfig, sampling: SamplingConfig, capacity: int, mesh: Mesh) -> PlainPrograms:
+    check_mesh(mesh, tcfg)
+    tsh, dsh = target_shardings(tcfg, mesh), decode_state_shardings(tcfg, mesh)
+    rows, replicated = dsh.counts, dsh.step
+    prefill = jax.jit(functools.partial(plain.prefill, cfg=tcfg, sc=sampling, capacity=capacity),
+                      in_shardings=(tsh, rows, rows, replicated), out_shardings=(dsh.cache, rows))
+    decode = jax.jit(functools.partial(plain.decode, cfg=tcfg, sc=sampling),
+                     in_shardings=(tsh, dsh.cache, rows, rows, replicated), out_shardings=dsh, donate_argnums=(1,))
+    return PlainPrograms(tsh, rows, replicated, prefill, decode)
+
+
+@functools.lru_cache(maxsize=16)
+def _replicator(mesh: Mesh) -> Any:
+    """Jitted identity onto every device: outputs every host can read (also across hosts)."""
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, sharding.partition_spec(())))
+
+
+def place(params: PyTree, shardings: PyTree) -> PyTree:
+    """Put host or device parameters where `shardings` says (a no-op for arrays already there)."""
+    return jax.tree.map(sharding.put, params, shardings)
+
+
+def _pad_rows(prompts: list[list[int]], mesh: Mesh, pad_id: int) -> list[list[int]]:
+    """Append idle one-token rows until data * fsdp divides the batch."""
+    return prompts + [[pad_id]] * (-len(prompts) % data_parallelism(mesh))
+
+
+def _put_rows(x: np.ndarray, real: int, fill: int, where: NamedSharding) -> jax.Array:
+    """Host [B, ...] input with rows >= real set to `fill`, placed by rows."""
+    x = np.array(x)
+    x[real:] = fill
+    return sharding.put(x, where)
+
+
+def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftConfig, prompts: list[list[int]],
+             max_new_tokens: int, mesh: Mesh, spec: SpecConfig = SpecConfig(), seed: int = 0,
+             capacity: int | None = None) -> SpecResult:
+    """`engine.generate` on a mesh: the same tokens, with parameters and state sharded."""
+    pad_id = tcfg.pad_token_id or 0
+    rows = _pad_rows(prompts, mesh, pad_id)
+    check_mesh(mesh, tcfg, dcfg, len(rows))
+    p = engine.prepare(rows, max_new_tokens, spec, capacity, pad_id)
+    progs = spec_programs(tcfg, dcfg, spec, p.capacity, mesh)
+    n = len(prompts)
+    tokens, lengths = (sharding.put(x, progs.rows) for x in (p.tokens, p.lengths))
+    limits = _put_rows(p.limits, n, 0, progs.rows)
+    key = sharding.put(jax.random.key(seed), progs.replicated)
+    tparams, dparams = place(tparams, progs.target), place(dparams, progs.draft)
+    state = progs.run(tparams, dparams, progs.prefill(tparams, dparams, tokens, lengths, limits, key))
+    out, counts, eos, acc = _replicator(mesh)((state.out, state.counts, state.eos, state.accept_lengths))
+    res = engine.result(dataclasses.replace(state, out=out, counts=counts, eos=eos, accept_lengths=acc))
+    return SpecResult(res.tokens[:n], res.accept_lengths[:n], res.stop_reasons[:n])
+
+
+def generate_plain(params: PyTree, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int, mesh: Mesh,
+                   sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
+                   capacity: int | None = None) -> GenerationResult:
+    """`generate.generate` on a mesh: the same tokens, with parameters and cache sharded."""
+    pad_id = cfg.pad_token_id or 0
+    rows = _pad_rows(prompts, mesh, pad_id)
+    check_mesh(mesh, cfg, batch=len(rows))
+    tokens, lengths, limits, capacity = plain.prepare_prompts(rows, max_new_tokens, capacity, pad_id)
+    progs = plain_programs(cfg, sampling, capacity, mesh)
+    n = len(prompts)
+    key = sharding.put(jax.random.key(seed), progs.replicated)
+    params = place(params, progs.target)
+    cache, first = progs.prefill(params, sharding.put(tokens, progs.rows), sharding.put(lengths, progs.rows), key)
+    state = progs.decode(params, cache, first, _put_rows(limits, n, 0, progs.rows), key)
+    out, counts, eos = jax.device_get(_replicator(mesh)((state.out, state.counts, state.eos)))
+    return GenerationResult(
+        tokens=[out[row, :c].tolist() for row, c in enumerate(counts[:n])],
+        stop_reasons=["eos" if e else "length" for e in eos[:n]],
+        bucket=tokens.shape[1],
+        capacity=capacity,
+    )
