@@ -65,7 +65,8 @@ def single_device(two_steps) -> list[dict]:
 def test_sharded_steps_match_single_device(two_steps, single_device, mesh):
     """Same loss, accuracies and gradient norm on 8 devices as on one, for two steps (so the sharded
     optimiser state is used too). Tolerance: |loss difference| <= 2e-5 (sums run in another order;
-    observed ~1e-6), per-step losses 1e-5, gradient norm 1e-4 relative; correct-prediction counts equal."""
+    observed <= 5e-7 on losses near 4), per-step losses 1e-5, gradient norm 1e-4 relative (observed 3e-7);
+    correct-prediction counts equal."""
     assert len(jax.devices()) == 8
     assert single_device[1]["loss"] < single_device[0]["loss"]
     for a, b in zip(single_device, two_steps(sharding.make_mesh(mesh))):
