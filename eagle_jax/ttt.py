@@ -132,7 +132,7 @@ def ttt_loss(
         raise EagleError(f"steps={steps}: TTT needs at least one step")
     b, t = input_ids.shape
     p = draft_params["layers"][0]
-    embed = jax.lax.stop_gradient(embed)
+    embed = jax.lax.stop_gradient(jnp.asarray(embed))
     probs, target_argmax, in_vocab, zero_in = _step_targets(draft_params, dcfg, target_logits)
     # padded at the end so that step j reads rows [j+1, j+1+T) (the zero-filled shift)
     tokens = _pad_end(input_ids, steps, 0)  # [B, T + S]
