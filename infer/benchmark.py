@@ -75,8 +75,9 @@ class Runner:
         from eagle_jax.hf_io import load_target
         from eagle_jax.sampling import SamplingConfig
 
-        self.tcfg, self.tparams = load_target(target_dir)
-        self.dcfg, self.dparams = load_draft(draft_dir, self.tcfg)
+        # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
+        self.tcfg, self.tparams = load_target(target_dir, dtype=np.float32)
+        self.dcfg, self.dparams = load_draft(draft_dir, self.tcfg, dtype=np.float32)
         self.tokenizer = load_tokenizer(target_dir, chat_template)
         self.sampling = SamplingConfig(temperature=temperature)
         self.max_new_tokens = max_new_tokens

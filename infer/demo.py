@@ -18,29 +18,21 @@ from infer.benchmark import DEFAULT_TREE, DEMO_DRAFT, DEMO_TARGET, Runner
 DEFAULT_PROMPT = "What are some tips for writing a good resume?"
 
 
-def stream_answer(runner: Runner, ids: list[int], max_new_tokens: int, out=sys.stdout) -> tuple[list[int], int, float]:
-    """Print the speculative answer as it is accepted, cycle by cycle -> (tokens, cycles, seconds)."""
+def stream_answer(runner: Runner, ids: list[int], max_new_tokens: int) -> tuple[list[int], int, float]:
+    """Print the speculative answer as cycles are accepted (infer.generate's TextStream) -> (tokens, cycles, seconds)."""
     from eagle_jax import engine
+    from infer.generate import TextStream
 
-    tokens: list[int] = []
-    shown = ""
+    printer = TextStream(runner.tokenizer)
     cycles = 0
     t0 = time.perf_counter()
     for new, _tree, _state in engine.stream(runner.tparams, runner.tcfg, runner.dparams, runner.dcfg, [ids],
                                             max_new_tokens, runner.spec, runner.seed, runner.capacity):
         cycles += 1
-        tokens += new[0]
-        text = runner.decode(tokens)
-        if text.startswith(shown):
-            out.write(text[len(shown):])
-            out.flush()
-            shown = text
+        printer(new)
     seconds = time.perf_counter() - t0
-    rest = runner.decode(tokens)
-    if rest.startswith(shown):
-        out.write(rest[len(shown):])
-    out.write("\n")
-    return tokens, cycles, seconds
+    print(flush=True)
+    return printer.ids, cycles, seconds
 
 
 def main(argv=None) -> None:

@@ -98,6 +98,25 @@ def save_model(out: Path, params: dict, cfg, config: dict, log: dict) -> None:
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
 
 
+def export_half(src: Path, dst: Path) -> None:
+    """Copy a saved target (and its tokenizer) with float16 weights: half the size, for shipping."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.astype(np.float16) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["torch_dtype"] = "float16"
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("generation_config.json", "training_log.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+    print(f"wrote {dst} (float16 weights, {(dst / 'model.safetensors').stat().st_size / 1e6:.1f} MB)")
+
+
 def token_stream(tok, data: Path | None, max_conversations: int | None) -> np.ndarray:
     from train.tokenizer import english_conversations, sharegpt_path
 
@@ -132,7 +151,12 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bench", type=int, default=0, help="time this many steps and exit")
     ap.add_argument("--save-every", type=float, default=5.0, help="minutes between checkpoints")
+    ap.add_argument("--export-half", nargs=2, metavar=("SRC", "DST"),
+                    help="only copy the trained target SRC to DST with float16 weights, and exit")
     args = ap.parse_args(argv)
+    if args.export_half:
+        export_half(Path(args.export_half[0]), Path(args.export_half[1]))
+        return
     if args.minutes is None and args.steps is None and not args.bench:
         ap.error("give --minutes or --steps")
 
