@@ -36,7 +36,7 @@ import numpy as np
 DEMO_TARGET = Path(__file__).resolve().parent.parent / "demo" / "target"
 DEMO_DRAFT = Path(__file__).resolve().parent.parent / "demo" / "eagle3"
 DEFAULT_TREE = (24, 4, 6)  # total_tokens, depth, top_k: tuned for small targets on CPU
-AUTO_CANDIDATES = ((8, 3, 4), (16, 4, 6), (24, 4, 6), (32, 5, 8), (48, 6, 8), (64, 7, 10))
+AUTO_CANDIDATES = ((8, 3, 4), (16, 4, 6), (24, 5, 6), (32, 6, 8), (48, 7, 8), (64, 7, 10))
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:
