@@ -173,6 +173,11 @@ def _pad_rows(prompts: list[list[int]], mesh: Mesh, pad_id: int) -> list[list[in
     return prompts + [[pad_id]] * (-len(prompts) % data_parallelism(mesh))
 
 
+def _key(seed: int, where: NamedSharding) -> jax.Array:
+    """jax.random.key(seed) placed from host data (every host builds the same one)."""
+    return jax.random.wrap_key_data(sharding.put(np.asarray(jax.random.key_data(jax.random.key(seed))), where))
+
+
 def _put_rows(x: np.ndarray, real: int, fill: int, where: NamedSharding) -> jax.Array:
     """Host [B, ...] input with rows >= real set to `fill`, placed by rows."""
     x = np.array(x)
@@ -192,7 +197,7 @@ def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftCo
     n = len(prompts)
     tokens, lengths = (sharding.put(x, progs.rows) for x in (p.tokens, p.lengths))
     limits = _put_rows(p.limits, n, 0, progs.rows)
-    key = sharding.put(jax.random.key(seed), progs.replicated)
+    key = _key(seed, progs.replicated)
     tparams, dparams = place(tparams, progs.target), place(dparams, progs.draft)
     state = progs.run(tparams, dparams, progs.prefill(tparams, dparams, tokens, lengths, limits, key))
     out, counts, eos, acc = _replicator(mesh)((state.out, state.counts, state.eos, state.accept_lengths))
@@ -210,7 +215,7 @@ def generate_plain(params: PyTree, cfg: TargetConfig, prompts: list[list[int]], 
     tokens, lengths, limits, capacity = plain.prepare_prompts(rows, max_new_tokens, capacity, pad_id)
     progs = plain_programs(cfg, sampling, capacity, mesh)
     n = len(prompts)
-    key = sharding.put(jax.random.key(seed), progs.replicated)
+    key = _key(seed, progs.replicated)
     params = place(params, progs.target)
     cache, first = progs.prefill(params, sharding.put(tokens, progs.rows), sharding.put(lengths, progs.rows), key)
     state = progs.decode(params, cache, first, _put_rows(limits, n, 0, progs.rows), key)

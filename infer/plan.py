@@ -1,23 +1,29 @@
 """Memory plan checked by the compiler: bytes per device of the speculative cycle or a TTT training step.
 
-    python -m infer.plan --config llama3.3-70b-eagle3 --mesh tensor=8 --batch 8 --max-len 4096
-    python -m infer.plan --train --config llama3.3-70b-eagle3 --mesh fsdp=8 --batch 8 --max-len 2048
+    python -m infer.plan --config llama3.3-70b-eagle3 --mesh tensor=8 --batch 8 --max-len 4096 [--tpu v6e-8]
+    python -m infer.plan --train --config llama3.3-70b-eagle3 --mesh fsdp=8 --batch 8 --max-len 1024 --bf16
     (`python -m train.eagle3 --plan ...` runs the second)
 
-On N virtual CPU devices (`--devices`, default: the mesh's size) the program is lowered with abstract
-parameters (shapes, dtypes and shardings only: no weights are allocated) and compiled by XLA's SPMD
-partitioner. Inference compiles the engine's prefill (a prompt filling the whole cache, the worst
-case) and its generation loop (`lax.while_loop` over draft -> verify -> accept cycles); training
-compiles the trainer's jitted step (frozen target forward + TTT loss + AdamW update).
+The program is lowered with abstract parameters (shapes, dtypes and shardings only: no weights are
+allocated) and compiled by XLA's SPMD partitioner for the mesh. Inference compiles the engine's
+prefill (by default a prompt filling the whole cache, the worst case) and its generation loop
+(`lax.while_loop` over draft -> verify -> accept cycles); training compiles the trainer's jitted step
+(frozen target forward + TTT loss + AdamW update, `train.eagle3.make_train_step`).
 
---config is a preset (configs/NAME.json, by name or path) or a Hugging Face model directory. A
-preset's dimensions come from its checkpoints' config.json under --models when they are there, else
-from the public values built in below for its hub names; a bare model directory gets an EAGLE-3
-head shaped like one of its layers.
+Devices: by default N virtual CPU devices (`--devices`, default the mesh's size), compiled by XLA:CPU.
+With `--tpu v5e-8|v5p-8|v6e-8` the TPU compiler in libtpu compiles for that slice's topology (no TPU
+needed, only the libtpu package); it refuses programs whose temporaries exceed a chip's HBM, which the
+report shows as such.
 
-Parameters, KV caches and loop state are exact (shapes and shardings). Temporaries and the peak are
-the CPU compiler's `memory_analysis()` of the same partitioned program: XLA:TPU fuses and lays out
-differently, so read them as an estimate; the fit verdict compares the peak with each chip's HBM.
+--config is a preset (configs/NAME.json, by name or path), an eagle-jax store or a Hugging Face model
+directory. A preset's dimensions come from its checkpoints' config.json under --models when they are
+there, else from the public values built in below for its hub names; a model directory (or a store
+without a head) gets an EAGLE-3 head shaped like one of its layers.
+
+Parameters, KV caches and loop state are exact (shapes and shardings). Temporaries and the peak
+(arguments + outputs - donated + temporaries) are the compiler's `memory_analysis()`. XLA:CPU's are an
+estimate of a TPU's (it converts bf16 matmul operands to f32 and fuses differently); XLA:TPU's are
+the real thing. The verdict compares the peak with each chip's nominal HBM.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from eagle_jax import cli, draft, parallel, presets, sharding, target, ttt
+from eagle_jax import cli, draft, parallel, presets, sharding, store, target, ttt
 from eagle_jax.config import TargetConfig, load_target_config, read_json, target_config_from_hf
 from eagle_jax.draft import DraftConfig, draft_config_from_hf
 from eagle_jax.engine import SpecConfig
@@ -157,6 +163,14 @@ def model_configs(config: str, models: str | None = None,
                   draft_vocab: int = 32000) -> tuple[TargetConfig, DraftConfig, Any, str | None]:
     """(TargetConfig, DraftConfig, tree or None, dtype name or None) from a preset or an HF model directory."""
     path = Path(config)
+    if store.is_store(path):
+        m = store.read_manifest(path)
+        if m.target_config is None:
+            raise EagleError(f"{path}: the store holds no target")
+        tcfg = target_config_from_hf(m.target_config)
+        dcfg = (draft_config_from_hf(m.draft_config, m.draft_kind) if m.draft_config is not None
+                else head_like(tcfg, min(draft_vocab, tcfg.vocab_size)))
+        return tcfg, dcfg, None, None
     if path.is_dir():
         tcfg = load_target_config(path)
         return tcfg, head_like(tcfg, min(draft_vocab, tcfg.vocab_size)), None, None
@@ -335,7 +349,7 @@ def report(name: str, plan: Plan, tpus: Sequence[Tpu] = TPUS) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = cli.ArgumentParser(prog="python -m infer.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", "--target", dest="config", required=True,
-                   help="preset name or .json (configs/), or a Hugging Face model directory")
+                   help="preset name or .json (configs/), store, or Hugging Face model directory")
     p.add_argument("--mesh", default=None, help="e.g. tensor=8 or data=2,tensor=4 (default: tensor over all devices; "
                                                 "training: fsdp over all devices)")
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=1)

@@ -228,3 +228,19 @@ def test_plan_training(models):
     vocab_map = 48 * 4 + 64  # d2t int32 [48], t2d bool [64], replicated
     assert resident["optimizer state"] >= 2 * (resident["draft parameters (f32 master)"] - vocab_map)
     assert p.programs[0].peak > resident["target parameters (frozen)"]
+
+
+def test_plan_configs(tmp_path, golden_dir, monkeypatch):
+    """Dimensions from a preset (built-in public values when its checkpoints are absent), a store, an HF directory."""
+    from convert.torch_to_orbax import convert
+
+    monkeypatch.delenv("EAGLE_JAX_MODELS", raising=False)
+    tcfg, dcfg, tree, dtype = plan.model_configs("llama3.3-70b-eagle3", models=str(tmp_path))
+    assert (tcfg.num_layers, tcfg.num_heads, tcfg.num_kv_heads, tcfg.vocab_size) == (80, 64, 8, 128256)
+    assert (dcfg.kind, dcfg.draft_vocab_size, dcfg.hidden_size) == ("eagle3", 32000, 8192)
+    assert tree.num_nodes == 60 and dtype == "bf16"
+    out = convert(golden_dir / "target", golden_dir / "eagle3", tmp_path / "store", progress=False)
+    tcfg, dcfg, _, _ = plan.model_configs(str(out))
+    assert (tcfg.num_layers, dcfg.kind, dcfg.draft_vocab_size) == (8, "eagle3", 256)
+    tcfg, dcfg, _, _ = plan.model_configs(str(golden_dir / "target"), draft_vocab=512)
+    assert (dcfg.kind, dcfg.draft_vocab_size, dcfg.intermediate_size) == ("eagle3", 512, tcfg.intermediate_size)
