@@ -35,7 +35,7 @@ import numpy as np
 
 DEMO_TARGET = Path(__file__).resolve().parent.parent / "demo" / "target"
 DEMO_DRAFT = Path(__file__).resolve().parent.parent / "demo" / "eagle3"
-DEFAULT_TREE = (24, 4, 6)  # total_tokens, depth, top_k: tuned for small targets on CPU
+DEFAULT_TREE = (8, 3, 4)  # total_tokens, depth, top_k: the demo pair on a 2-core CPU (see --auto-budget)
 AUTO_CANDIDATES = ((8, 3, 4), (16, 4, 6), (24, 5, 6), (32, 6, 8), (48, 7, 8), (64, 7, 10))
 
 
@@ -55,7 +55,7 @@ def read_questions(path: Path, limit: int | None) -> list[dict]:
         turns = q.get("turns") if isinstance(q, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise EagleError(f"{path}:{n}: expected an object with 'turns' (a non-empty list of strings)")
-        out.append({"question_id": q.get("question_id", n), "category": str(q.get("category", "default")),
+        out.append({"question_id": q.get("question_id", n), "category": str(q.get("category") or path.stem),
                     "turns": turns})
         if limit and len(out) >= limit:
             break
