@@ -244,3 +244,13 @@ def test_plan_configs(tmp_path, golden_dir, monkeypatch):
     assert (tcfg.num_layers, dcfg.kind, dcfg.draft_vocab_size) == (8, "eagle3", 256)
     tcfg, dcfg, _, _ = plan.model_configs(str(golden_dir / "target"), draft_vocab=512)
     assert (dcfg.kind, dcfg.draft_vocab_size, dcfg.intermediate_size) == ("eagle3", 512, tcfg.intermediate_size)
+
+
+def test_plan_tpu_needs_libtpu(capsys, golden_dir):
+    try:
+        import libtpu  # noqa: F401
+    except ImportError:
+        assert plan.main(["--config", str(golden_dir / "target"), "--tpu", "v6e-8"]) == 2
+        assert "--tpu v6e-8 compiles with libtpu, which is not installed" in capsys.readouterr().err
+    else:
+        pytest.skip("libtpu is installed: --tpu compiles")
