@@ -20,5 +20,8 @@ test: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m infer.demo
 
+bench: $(STAMP)
+	$(PY) -m infer.benchmark --questions data/eval/mt_bench.jsonl --limit 10
+
 clean:
 	rm -rf $(VENV) .pytest_cache
