@@ -69,10 +69,12 @@ def _named(mesh: Mesh, rules: dict, axes: tuple[str | None, ...]) -> NamedShardi
 
 
 def target_shardings(tcfg: TargetConfig, mesh: Mesh) -> PyTree:
+    """NamedShardings of the target parameter tree (kv projections replicated below tensor)."""
     return sharding.param_shardings(target.param_specs(tcfg), mesh, sharding.rules_for(tcfg.num_kv_heads, mesh))
 
 
 def draft_shardings(dcfg: DraftConfig, mesh: Mesh) -> PyTree:
+    """NamedShardings of the draft head's parameter tree (vocabulary map replicated)."""
     return sharding.param_shardings(draft.param_specs(dcfg), mesh, sharding.rules_for(dcfg.num_kv_heads, mesh))
 
 
@@ -83,6 +85,7 @@ def cache_shardings(num_kv_heads: int, mesh: Mesh) -> KVCache:
 
 
 def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh) -> SpecState:
+    """The speculative loop state: caches as `cache_shardings`, per-row fields over data, the rest replicated."""
     by_row, by_row_wide, by_step, replicated = (
         _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), (None, "batch"), ()))
     return SpecState(
@@ -94,6 +97,7 @@ def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh) -> S
 
 
 def decode_state_shardings(tcfg: TargetConfig, mesh: Mesh) -> DecodeState:
+    """The plain decode loop state: the cache as `cache_shardings`, per-row fields over data."""
     by_row, by_row_wide, replicated = (_named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), ()))
     return DecodeState(step=replicated, last=by_row, done=by_row, eos=by_row, counts=by_row, out=by_row_wide,
                        cache=cache_shardings(tcfg.num_kv_heads, mesh))
