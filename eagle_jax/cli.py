@@ -19,6 +19,7 @@ import warnings
 from typing import Callable, NoReturn, Sequence
 
 from eagle_jax.errors import EagleError
+from eagle_jax import distributed
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
@@ -44,10 +45,12 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
     """Call `main(argv)`; an `EagleError` becomes `error: ...` on stderr and exit code 2.
 
     Python warnings raised meanwhile (e.g. a clamped token budget) print as one `warning:` line.
+    On a multi-host launch (see `eagle_jax.distributed`) JAX's distributed runtime starts first.
     """
     previous = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
+        distributed.maybe_initialize()
         return int(main(argv) or 0)
     except EagleError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)

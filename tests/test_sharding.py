@@ -254,3 +254,13 @@ def test_plan_tpu_needs_libtpu(capsys, golden_dir):
         assert "--tpu v6e-8 compiles with libtpu, which is not installed" in capsys.readouterr().err
     else:
         pytest.skip("libtpu is installed: --tpu compiles")
+
+
+def test_train_cli_plan(capsys, golden_dir):
+    """`python -m train.eagle3 --plan` prints the compiled memory plan of a training step."""
+    from train import eagle3
+
+    assert eagle3.main(["--plan", "--target", str(golden_dir / "target"), "--mesh", "fsdp=8",
+                        "--batch-size", "8", "--max-length", "32", "--ttt-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer state" in out and "peak per device" in out and "TPU v6e-8" in out

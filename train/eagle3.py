@@ -537,6 +537,11 @@ def train(rc: RunConfig) -> dict:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--plan" in argv:  # the compiled memory plan of a training step (infer.plan --train)
+        from infer import plan
+
+        return plan.main(argv)
     train(parse_args(argv))
     return 0
 
