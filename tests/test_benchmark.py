@@ -69,7 +69,6 @@ def test_read_questions_errors(tmp_path):
         read_questions(tmp_path / "missing.jsonl", None)
 
 
-@pytest.mark.skipif(not (DEMO / "eagle3" / "config.json").is_file(), reason="demo pair not built")
 def test_demo_pair_lossless():
     from eagle_jax import engine
     from eagle_jax.draft import load_draft
