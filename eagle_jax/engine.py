@@ -31,7 +31,7 @@ import numpy as np
 from eagle_jax import draft, kv_cache, target, tree as trees
 from eagle_jax.config import TargetConfig
 from eagle_jax.draft import DraftConfig
-from eagle_jax.generate import PAD_ID, default_capacity, prepare_prompts, prompt_bucket
+from eagle_jax.generate import PAD_ID, default_capacity, is_eos, prepare_prompts, prompt_bucket
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.sampling import SamplingConfig, sample
 from eagle_jax.tree import Tree, TreeConfig
@@ -130,12 +130,6 @@ def _draft_context(dparams, dcfg, embed, cache: KVCache, tokens, features, count
     return last, kv_cache.advance(cache, count)
 
 
-def _is_eos(tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
-    if not cfg.eos_token_ids:
-        return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(cfg.eos_token_ids, tokens.dtype))
-
-
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "capacity"))
 def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfig, dcfg: DraftConfig,
             spec: SpecConfig, capacity: int) -> SpecState:
@@ -172,6 +166,22 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfi
     )
 
 
+def accept(tr: Tree, choice: jax.Array, path_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The deepest node whose every path node equals the target's choice at its parent.
+
+    choice [B, N] is the target's token after each node. Returns accept_len [B] (accepted draft
+    tokens), path [B, path_len] (root-to-node indices, 0 past accept_len) and the bonus token [B].
+    """
+    rows = jnp.arange(tr.tokens.shape[0])
+    agrees = (tr.tokens == jnp.take_along_axis(choice, tr.parents, axis=1)).at[:, 0].set(True)
+    accepted = jnp.all(jnp.where(tr.mask, agrees[:, None, :], True), axis=-1)  # [B, N]
+    best = jnp.argmax(jnp.where(accepted, tr.depths, -1), axis=-1)  # [B]
+    accept_len = tr.depths[rows, best]
+    path = trees.root_paths(tr.mask[rows, best][:, None, :], tr.depths, path_len)[:, 0]
+    path = jnp.where(jnp.arange(path_len)[None, :] <= accept_len[:, None], path, 0)
+    return accept_len, path, choice[rows, best]
+
+
 def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig):
     """One draft -> verify -> accept cycle. Returns the new state and this cycle's tree."""
     b = s.root.shape[0]
@@ -190,21 +200,14 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     key = jax.random.fold_in(s.key, s.cycle + 1)
     choice = sample(key, fwd.logits, spec.sampling)  # [B, N] the target's token after each node
     # 3. accept the deepest node whose whole path agrees with the target
-    agrees = tr.tokens == jnp.take_along_axis(choice, tr.parents, axis=1)
-    agrees = agrees.at[:, 0].set(True)
-    accepted = jnp.all(jnp.where(tr.mask, agrees[:, None, :], True), axis=-1)  # [B, N]
-    best = jnp.argmax(jnp.where(accepted, tr.depths, -1), axis=-1)  # [B]
-    accept_len = tr.depths[rows, best]  # accepted draft tokens
-    path = trees.root_paths(tr.mask[rows, best][:, None, :], tr.depths, spec.path_len)[:, 0]
-    path = jnp.where(jnp.arange(spec.path_len)[None, :] <= accept_len[:, None], path, 0)  # [B, D+2]
-    bonus = choice[rows, best]
+    accept_len, path, bonus = accept(tr, choice, spec.path_len)
     emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
     # 4. emit up to the budget and the first eos
     offsets = jnp.arange(spec.path_len)[None, :]
     valid = (offsets <= accept_len[:, None]) & (offsets < (s.limits - s.counts)[:, None])
-    is_eos = valid & _is_eos(emitted, tcfg)
-    first_eos = jnp.argmax(is_eos, axis=-1)
-    hit_eos = jnp.any(is_eos, axis=-1)
+    eos_at = valid & is_eos(emitted, tcfg)
+    first_eos = jnp.argmax(eos_at, axis=-1)
+    hit_eos = jnp.any(eos_at, axis=-1)
     valid = valid & (~hit_eos[:, None] | (offsets <= first_eos[:, None])) & running[:, None]
     n_new = jnp.sum(valid, axis=-1).astype(jnp.int32)
     out = s.out.at[rows[:, None], s.counts[:, None] + offsets].set(jnp.where(valid, emitted, PAD_ID), mode="drop")

@@ -62,11 +62,11 @@ class GenerationResult:
     capacity: int  # cache slots per row
 
 
-def _is_eos(tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
-    """tokens [B] -> [B] bool."""
+def is_eos(tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
+    """tokens [...] -> [...] bool: is each token one of the config's eos ids."""
     if not cfg.eos_token_ids:
         return jnp.zeros(tokens.shape, bool)
-    return jnp.isin(tokens, jnp.asarray(cfg.eos_token_ids, jnp.int32))
+    return jnp.isin(tokens, jnp.asarray(cfg.eos_token_ids, tokens.dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sc", "capacity"))
@@ -92,7 +92,7 @@ def init_state(cache: KVCache, first: jax.Array, limits: jax.Array, cfg: TargetC
     """Decode state after prefill: first [B] is generated token 0; limits [B] are the per-row budgets."""
     b = first.shape[0]
     out = jnp.full((b, cache.capacity), PAD_ID, jnp.int32).at[:, 0].set(first)
-    eos = _is_eos(first, cfg)
+    eos = is_eos(first, cfg)
     counts = jnp.ones((b,), jnp.int32)
     return DecodeState(jnp.int32(1), first, eos | (counts >= limits), eos, counts, out, cache)
 
@@ -117,7 +117,7 @@ def decode(params: dict, cache: KVCache, first: jax.Array, limits: jax.Array, ke
         nxt = jnp.where(running, nxt, s.last)
         out = s.out.at[:, s.step].set(jnp.where(running, nxt, PAD_ID), mode="drop")
         counts = s.counts + running
-        eos = s.eos | (running & _is_eos(nxt, cfg))
+        eos = s.eos | (running & is_eos(nxt, cfg))
         done = s.done | eos | (counts >= limits)
         return DecodeState(s.step + 1, nxt, done, eos, counts, out, cache)
 
