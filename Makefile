@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -n auto
 
 demo: $(STAMP)
 	$(PY) -m infer.demo
