@@ -38,6 +38,18 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+def argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (first index of the maximum; a NaN counts as the maximum), int32.
+
+    Written as a max and a masked min: XLA's CPU backend runs those vectorised, about 8x faster than
+    its two-operand argmax reduction on vocabulary-wide rows; other backends are indifferent.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    ids = jnp.arange(x.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where(hit, ids, x.shape[-1] - 1), axis=-1)
+
+
 def processed_logits(logits: jax.Array, sc: SamplingConfig) -> jax.Array:
     """Logits [..., V] -> float32 logits [..., V] after temperature, top-k, top-p (HF order).
 
@@ -64,12 +76,12 @@ def processed_logits(logits: jax.Array, sc: SamplingConfig) -> jax.Array:
 def processed_probs(logits: jax.Array, sc: SamplingConfig) -> jax.Array:
     """The target distribution [..., V] float32 that `sample` draws from (one-hot argmax when greedy)."""
     if sc.greedy:
-        return jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+        return jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
     return jax.nn.softmax(processed_logits(logits, sc), axis=-1)
 
 
 def sample(key: jax.Array, logits: jax.Array, sc: SamplingConfig) -> jax.Array:
     """Draw token ids [...] int32 from logits [..., V]; every leading index is an independent draw."""
     if sc.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     return jax.random.categorical(key, processed_logits(logits, sc), axis=-1).astype(jnp.int32)

@@ -27,6 +27,7 @@ from eagle_jax.config import TargetConfig
 from eagle_jax.draft import DraftConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.layers import attend
+from eagle_jax.sampling import argmax
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 
@@ -57,13 +58,13 @@ def _step_targets(draft_params: dict, dcfg: DraftConfig, target_logits: jax.Arra
     draft_params = jax.tree.map(jnp.asarray, draft_params)
     logits = jax.lax.stop_gradient(target_logits).astype(jnp.float32)  # [B, T, V]
     p = jax.nn.softmax(jnp.take(logits, draft_columns(draft_params, dcfg), axis=-1), axis=-1)  # [B, T, Vd]
-    full_argmax = jnp.argmax(logits, axis=-1)  # [B, T]
+    full_argmax = argmax(logits)  # [B, T]
     if dcfg.has_vocab_map:
         t2d = draft_params["t2d"]
         in_vocab, zero_row_in_vocab = t2d[full_argmax], t2d[0]
     else:
         in_vocab, zero_row_in_vocab = jnp.ones(full_argmax.shape, bool), True
-    return p, jnp.argmax(p, axis=-1), in_vocab, zero_row_in_vocab
+    return p, argmax(p), in_vocab, zero_row_in_vocab
 
 
 def _pad_end(x: jax.Array, n: int, fill) -> jax.Array:
@@ -156,7 +157,7 @@ def ttt_loss(
         lm_j = window(lm, j)  # [B, T]
         mask_j = window(in_vocab, j + 1) * lm_j  # [B, T]
         loss = -jnp.sum(mask_j * jnp.sum(window(probs, j + 1) * logq, axis=-1)) / (b * t)
-        hit = jnp.argmax(logits, axis=-1) == window(target_argmax, j + 1)
+        hit = argmax(logits) == window(target_argmax, j + 1)
         count = lambda x: jnp.sum(x).astype(jnp.int32)  # noqa: E731
         return loss, count(hit * mask_j), count(mask_j), count(lm_j)
 

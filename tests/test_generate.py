@@ -11,7 +11,7 @@ import pytest
 from eagle_jax import generate as gen
 from eagle_jax import hf_io
 from eagle_jax.errors import EagleError
-from eagle_jax.sampling import SamplingConfig, processed_probs, sample
+from eagle_jax.sampling import SamplingConfig, argmax, processed_probs, sample
 
 N_GREEDY = 80
 CAPACITY = 128  # one capacity for all golden tests: fewer distinct compiles
@@ -159,6 +159,19 @@ def test_greedy_probs_and_sample_are_argmax():
     sc = SamplingConfig()
     np.testing.assert_array_equal(np.asarray(sample(jax.random.key(0), logits, sc)), np.argmax(logits, -1))
     np.testing.assert_array_equal(np.asarray(processed_probs(logits, sc)), jax.nn.one_hot(np.argmax(logits, -1), 50))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_argmax_matches_jnp_argmax_with_ties_inf_and_nan(dtype):
+    rng = np.random.default_rng(4)
+    x = rng.integers(-3, 4, size=(6, 4096)).astype(np.float32)  # many ties: the first index must win
+    x[1] = -np.inf
+    x[2, [7, 900]] = np.inf
+    x[3, [5, 3000]] = np.nan
+    x[4, 4095] = 10.0
+    x = jnp.asarray(x, dtype)
+    np.testing.assert_array_equal(np.asarray(argmax(x)), np.asarray(jnp.argmax(x, axis=-1)))
+    assert argmax(x).dtype == jnp.int32
 
 
 def chi2_quantile(q: float, df: int) -> float:
