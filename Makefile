@@ -18,7 +18,7 @@ test: $(STAMP)
 	$(PY) -m pytest -n auto
 
 demo: $(STAMP)
-	$(PY) -m infer.demo
+	$(PY) -m infer.generate
 
 bench: $(STAMP)
 	$(PY) -m infer.benchmark --questions data/eval/mt_bench.jsonl --limit 10

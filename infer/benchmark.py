@@ -17,8 +17,8 @@ measured in this run, n-alpha per depth (acceptance rate at depth n given depth 
 and mismatches (greedy: questions whose speculative output differs from the plain one).
 Writes JSON (--json, default runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
 
---auto-budget times speculative cycles of a few tree envelopes (total_tokens 8..64) on the machine
-at hand on calibration prompts, together with the target forward over that many tokens, and uses
+--auto-budget times speculative cycles of ten tree envelopes (total_tokens 8..64, deep and narrow or
+shallow and wide) on the machine at hand on calibration prompts, together with the target forward over that many tokens, and uses
 the envelope with the highest measured tokens/s (tau / cycle time).
 """
 
@@ -33,10 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-DEMO_TARGET = Path(__file__).resolve().parent.parent / "demo" / "target"
-DEMO_DRAFT = Path(__file__).resolve().parent.parent / "demo" / "eagle3"
-DEFAULT_TREE = (8, 3, 4)  # total_tokens, depth, top_k: the demo pair on a 2-core CPU (see --auto-budget)
-AUTO_CANDIDATES = ((8, 3, 4), (16, 4, 6), (24, 5, 6), (32, 6, 8), (48, 7, 8), (64, 7, 10))
+from infer.generate import DEMO_DRAFT, DEMO_TARGET, DEMO_TREE
+
+# (total_tokens, depth, top_k): budgets 8..64, each as a deep narrow tree and a shallower wide one
+AUTO_CANDIDATES = ((8, 5, 2), (8, 3, 4), (12, 5, 3), (16, 6, 2), (16, 5, 4), (24, 7, 2), (24, 6, 3), (32, 7, 4),
+                   (48, 7, 8), (64, 7, 10))
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:
@@ -405,9 +406,9 @@ def main(argv=None) -> None:
     ap.add_argument("--target", default=str(DEMO_TARGET))
     ap.add_argument("--draft", default=str(DEMO_DRAFT))
     ap.add_argument("--chat-template", default=None, help="jinja file, if the tokenizer has no chat template")
-    ap.add_argument("--total-tokens", type=int, default=DEFAULT_TREE[0])
-    ap.add_argument("--depth", type=int, default=DEFAULT_TREE[1])
-    ap.add_argument("--tree-top-k", type=int, default=DEFAULT_TREE[2])
+    ap.add_argument("--total-tokens", type=int, default=DEMO_TREE.total_tokens)
+    ap.add_argument("--depth", type=int, default=DEMO_TREE.depth)
+    ap.add_argument("--tree-top-k", type=int, default=DEMO_TREE.top_k)
     ap.add_argument("--auto-budget", action="store_true", help="pick the tree envelope by timing it here")
     ap.add_argument("--calibration-prompts", type=int, default=4)
     ap.add_argument("--json", default=None, help="output JSON (default runs/benchmark/<questions>.json); "

@@ -1,5 +1,6 @@
 """Generate with a target and an EAGLE draft head (speculative decoding), or chat with it.
 
+    python -m infer.generate                                                       # the demo (below)
     python -m infer.generate --target DIR [--draft DIR] --prompt "Hello"          # stream one answer
     python -m infer.generate --config llama3.1-8b-eagle3 --models /models         # interactive chat
     python -m infer.generate --target DIR --draft DIR --prompt-ids '1,5,9;3,4' --max-new-tokens 20 --json OUT
@@ -10,6 +11,11 @@ from stdin and keeps the conversation (exit with /exit or end of input). The tok
 template is applied unless --raw. Text streams as cycles are accepted; a last line on stderr gives
 new tokens, cycles, tau (new tokens per cycle) and tokens/s. `--json OUT` writes `output_ids` (new
 tokens per row), `accept_lengths` (per row, per cycle), `cycles`, `new_tokens`, `tau` and more.
+
+`--compare` then times the same prompts twice more after warm-up, speculatively and with the target
+alone (both as one on-device loop, so printing does not count), shows the plain answer and the
+speedup. Without --target and --config the shipped demo pair (demo/target + demo/eagle3) answers a
+sample question (or --prompt) with its tree, in float32, with --warmup and --compare.
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ from eagle_jax.sharding import make_mesh, parse_mesh, shard_params
 from eagle_jax.tree import DynamicTree, StaticTree, TreeConfig, parse_static
 
 DEFAULT_MAX_NEW_TOKENS = 256
+REPO = Path(__file__).resolve().parent.parent
+DEMO_TARGET = REPO / "demo" / "target"
+DEMO_DRAFT = REPO / "demo" / "eagle3"
+DEMO_TREE = DynamicTree(total_tokens=16, depth=6, top_k=2)  # `infer.benchmark --auto-budget`'s pick on a 2-core CPU
+DEMO_PROMPT = "What are some tips for writing a good resume?"
 CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns do not recompile)
 
 
@@ -63,14 +74,30 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     return rows
 
 
+def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
+    """No --target and no --config: the shipped demo pair, a sample prompt, float32, --warmup --compare."""
+    if a.target is not None or a.config is not None:
+        return a
+    a = argparse.Namespace(**vars(a))
+    a.target, a.draft = str(DEMO_TARGET), a.draft or str(DEMO_DRAFT)
+    a.dtype = a.dtype or "fp32"
+    if a.prompt is None and a.prompt_file is None and a.prompt_ids is None:
+        a.prompt = [DEMO_PROMPT]
+    a.warmup = True
+    a.compare = not a.no_spec
+    a.demo = True
+    return a
+
+
 def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig:
-    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's tree, else upstream defaults."""
+    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's (or the demo's) tree, else
+    upstream defaults."""
     dynamic = {k: v for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k)) if v is not None}
     if a.tree is not None:
         if dynamic:
             raise EagleError("--tree (a static tree) cannot be combined with --total-tokens/--depth/--tree-top-k")
         return parse_static(a.tree)
-    base = preset.tree if preset is not None else DynamicTree()
+    base = preset.tree if preset is not None else DEMO_TREE if a.demo else DynamicTree()
     if not dynamic:
         return base
     return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic)
@@ -373,20 +400,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone")
     gen.add_argument("--no-stream", action="store_true", help="run all cycles in one on-device loop; print at the end")
     gen.add_argument("--warmup", action="store_true", help="compile with one untimed run first")
+    gen.add_argument("--compare", action="store_true", help="then time speculative and plain decoding of the same "
+                     "prompts (after warm-up) and print the speedup")
     tree = p.add_argument_group("draft tree (EAGLE-2 dynamic by default: 60 / 7 / 10)")
     tree.add_argument("--total-tokens", type=int, help="tree nodes including the root")
     tree.add_argument("--depth", type=int, help="expansion steps (depth + 1 draft levels)")
     tree.add_argument("--tree-top-k", type=int, help="children per node and frontier width")
     tree.add_argument("--tree", help="static tree: 'static' / 'mc_sim_7b_63' or a JSON list of rank paths")
     p.add_argument("--json", metavar="OUT", help="write output ids, accept lengths and statistics to OUT")
-    a = p.parse_args(argv)
+    a = p.parse_args(argv, namespace=argparse.Namespace(demo=False))
+    if a.compare and a.no_spec:
+        raise EagleError("--compare compares speculative with plain decoding: drop --no-spec")
     if sum(x is not None for x in (a.prompt, a.prompt_file, a.prompt_ids)) > 1:
         raise EagleError("give only one of --prompt, --prompt-file, --prompt-ids")
     return a
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    a = parse_args(argv)
+    a = demo_defaults(parse_args(argv))
     preset = presets.load_preset(a.config) if a.config else None
     mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)
     parse_mesh(mesh_text)
@@ -399,8 +430,9 @@ def _main(argv: Sequence[str] | None) -> int:
         except OSError as exc:
             raise EagleError(f"--prompt-file {a.prompt_file}: {exc.strerror}") from None
     texts = a.prompt or ([prompt_file] if prompt_file is not None else None)
-    if a.json and ids is None and texts is None:
-        raise EagleError("--json needs a prompt (--prompt, --prompt-file or --prompt-ids)")
+    for flag, given in (("--json", a.json), ("--compare", a.compare)):
+        if given and ids is None and texts is None:
+            raise EagleError(f"{flag} needs a prompt (--prompt, --prompt-file or --prompt-ids)")
     target_dir, draft_dir = resolve_dirs(a, preset)
     dtype = cli.parse_dtype(a.dtype or (preset.dtype if preset else None))
     mesh = make_mesh(mesh_text) if mesh_text else None
@@ -424,18 +456,45 @@ def _main(argv: Sequence[str] | None) -> int:
         system = [{"role": "system", "content": a.system}] if a.system else []
         prompts = [encode(tok, system + [{"role": "user", "content": t}], use_template) for t in texts]
     single = len(prompts) == 1
+    if a.demo:
+        print(f"demo: {m.target_dir.name} + its {m.dcfg.kind.upper() if m.dcfg else 'no'} head; "
+              f"{'speculative' if s.spec else 'plain'} answer to: {texts[0] if texts else prompts[0]}", file=sys.stderr)
     printer = (TextStream(tok) if tok is not None else _print_ids) if single else None
     outcome = generate_timed(m, prompts, s, printer)
     if single:
         print(flush=True)
     else:
-        for row, tokens in enumerate(outcome.result.tokens):
-            shown = tok.decode(tokens, skip_special_tokens=True) if tok is not None else " ".join(map(str, tokens))
-            print(f"[{row}] {shown}")
+        show_rows(outcome, tok)
     print(stats_line(outcome, s.spec is not None), file=sys.stderr, flush=True)
+    doc = report(outcome, prompts, m, s, a)
+    if a.compare:
+        doc["compare"] = compare(m, prompts, s, outcome, tok)
     if a.json:
-        _write_json(a.json, report(outcome, prompts, m, s, a))
+        _write_json(a.json, doc)
     return 0
+
+
+def show_rows(o: Outcome, tok) -> None:
+    for row, tokens in enumerate(o.result.tokens):
+        shown = tok.decode(tokens, skip_special_tokens=True) if tok is not None else " ".join(map(str, tokens))
+        print(f"[{row}] {shown}" if len(o.result.tokens) > 1 else shown)
+
+
+def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, tok) -> dict:
+    """Time speculative and plain decoding of the prompts (on-device loops, after warm-up); print the plain
+    answer and the speedup. Returns the figures for --json."""
+    timed = dataclasses.replace(s, stream=False, warmup=True)
+    spec = generate_timed(m, prompts, timed, None, shown.capacity)
+    base = generate_timed(m, prompts, dataclasses.replace(timed, spec=None), None, shown.capacity)
+    print("\nThe same with the target alone (plain decoding):")
+    show_rows(base, tok)
+    rate = lambda o: sum(o.result.new_tokens) / o.seconds  # noqa: E731
+    same = spec.result.tokens == base.result.tokens
+    verdict = ("outputs identical" if same else "OUTPUTS DIFFER") if s.sampling.greedy else "sampled outputs"
+    print(f"[speculative {rate(spec):.1f} tokens/s (tau {spec.result.tau:.2f}), plain {rate(base):.1f} tokens/s: "
+          f"speedup {rate(spec) / rate(base):.2f}x; {verdict}]", file=sys.stderr, flush=True)
+    return {"tokens_per_s_spec": rate(spec), "tokens_per_s_plain": rate(base), "speedup": rate(spec) / rate(base),
+            "tau": spec.result.tau, "identical": same, "plain_output_ids": base.result.tokens}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

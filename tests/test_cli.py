@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -131,6 +132,34 @@ def test_clamp_warning(reference, env, tmp_path):
     assert doc["settings"]["max_new_tokens"] == clamped
 
 
+def test_compare_times_both_and_agrees(reference, tmp_path, capsys):
+    """--compare: the plain answer equals the speculative one (greedy) and the speedup is reported."""
+    out = tmp_path / "cmp.json"
+    code, stdout, err = in_process(["--target", TARGET, "--draft", EAGLE3, "--prompt-ids", ids_arg(prompt(reference, 1)),
+                                    "--max-new-tokens", "12", "--compare", "--json", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    cmp = doc["compare"]
+    assert doc["output_ids"] == cmp["plain_output_ids"] == [greedy(reference, 1, 12)] and cmp["identical"]
+    assert cmp["speedup"] == pytest.approx(cmp["tokens_per_s_spec"] / cmp["tokens_per_s_plain"])
+    assert "plain decoding" in stdout
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("[speculative ") and "speedup" in last and last.endswith("outputs identical]")
+
+
+def test_no_model_flags_run_the_demo(tmp_path, capsys):
+    """Without --target/--config: the shipped pair, its tree, a sample prompt, compared with plain decoding."""
+    out = tmp_path / "demo.json"
+    code, stdout, err = in_process(["--max-new-tokens", "12", "--json", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    settings = doc["settings"]
+    assert settings["target"] == str(cli_generate.DEMO_TARGET) and settings["draft"] == str(cli_generate.DEMO_DRAFT)
+    assert settings["tree"] == dataclasses.asdict(cli_generate.DEMO_TREE) and settings["dtype"] == "float32"
+    assert doc["compare"]["identical"] and doc["new_tokens"] == 12
+    assert err.splitlines()[0].startswith("demo: target + its EAGLE3 head") and cli_generate.DEMO_PROMPT in err
+
+
 # ---------------------------------------------------------------- text and chat
 
 
@@ -255,6 +284,7 @@ BAD_INPUT = {
     "prompt id outside the vocabulary": ["--target", TARGET, "--draft", EAGLE3, "--prompt-ids", "1,5000"],
     "bad static tree": ["--target", TARGET, "--draft", EAGLE3, "--tree", "[[0],[0,0,1]]"],
     "negative temperature": ["--target", TARGET, "--draft", EAGLE3, "--temperature", "-1"],
+    "compare without a draft": ["--target", TARGET, "--no-spec", "--compare"],
 }
 
 
