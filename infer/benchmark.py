@@ -18,8 +18,9 @@ and mismatches (greedy: questions whose speculative output differs from the plai
 Writes JSON (--json, default runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
 
 --auto-budget times speculative cycles of ten tree envelopes (total_tokens 8..64, deep and narrow or
-shallow and wide) on the machine at hand on calibration prompts, together with the target forward over that many tokens, and uses
-the envelope with the highest measured tokens/s (tau / cycle time).
+shallow and wide) on the machine at hand, on calibration questions from the ends of the files, and
+uses the envelope with the highest measured tokens/s (tau / cycle time); it also reports the target
+forward over that many tokens against one token.
 """
 
 from __future__ import annotations
@@ -201,30 +202,41 @@ def summarise(records: list[dict], max_accept: int) -> dict:
     }
 
 
-def auto_budget(runner: Runner, prompts: list[list[int]], candidates, max_new_tokens: int, log) -> dict:
-    """Measure tokens/s of each tree envelope on the calibration prompts; pick the fastest."""
+def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
+    """Milliseconds of one target forward over n new tokens (logits and argmax included) against a
+    half-full cache: what verifying an n-node tree costs. Timed as `reps` forwards inside one jitted
+    loop, so dispatch does not count."""
     import jax
     import jax.numpy as jnp
 
     from eagle_jax import kv_cache, target as target_model
+    from eagle_jax.sampling import argmax
 
-    # target forward over N tokens against a half-full cache (what verification costs)
     ctx = min(256, runner.capacity // 2)
-    forward = jax.jit(lambda p, toks, pos, cache: target_model.forward(p, runner.tcfg, toks, pos, cache).logits,
-                      donate_argnums=())
-    base_cache = kv_cache.set_lengths(target_model.init_cache(runner.tcfg, 1, runner.capacity),
-                                      jnp.full((1,), ctx, jnp.int32))
-    verify_ms = {}
-    for n in sorted({1} | {c[0] for c in candidates}):
-        toks = jnp.zeros((1, n), jnp.int32)
-        pos = ctx + jnp.arange(n)[None]
-        forward(runner.tparams, toks, pos, base_cache).block_until_ready()
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            forward(runner.tparams, toks, pos, base_cache).block_until_ready()
-            times.append(time.perf_counter() - t)
-        verify_ms[n] = 1000 * statistics.median(times)
+    cache = kv_cache.set_lengths(target_model.init_cache(runner.tcfg, 1, runner.capacity), jnp.full((1,), ctx, jnp.int32))
+
+    @jax.jit
+    def forwards(params, cache):
+        def one(i, cache):
+            tokens = jnp.full((1, n), i, jnp.int32)
+            out = target_model.forward(params, runner.tcfg, tokens, cache.lengths[:, None] + jnp.arange(n)[None], cache)
+            # lengths stay at ctx, but depend on the logits so that nothing is skipped
+            return kv_cache.advance(out.cache, jnp.minimum(jnp.sum(argmax(out.logits)), 0)[None])
+
+        return jax.lax.fori_loop(0, reps, one, cache).lengths
+
+    forwards(runner.tparams, cache).block_until_ready()
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        forwards(runner.tparams, cache).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times) / reps
+
+
+def auto_budget(runner: Runner, prompts: list[list[int]], candidates, max_new_tokens: int, log) -> dict:
+    """Measure tokens/s of each tree envelope on the calibration prompts; pick the fastest."""
+    verify_ms = {n: target_forward_ms(runner, n) for n in sorted({1} | {c[0] for c in candidates})}
     rows = []
     for cand in candidates:
         runner.set_tree(cand)
@@ -326,6 +338,14 @@ def plot(report: dict, path: Path) -> None:
 # ---------------------------------------------------------------- main
 
 
+def calibration_questions(files: list[Path], args) -> list[dict]:
+    """--calibration-prompts questions for --auto-budget, taken round-robin from the ends of the files, so
+    that with --limit they are not the measured ones (unless a file has no others)."""
+    tails = [read_questions(f, None)[::-1] for f in files]
+    picked = [t[i] for i in range(max(map(len, tails))) for t in tails if i < len(t)]
+    return picked[: args.calibration_prompts]
+
+
 def run_benchmark(args, log=print) -> dict:
     import jax
     from tqdm import tqdm
@@ -338,9 +358,8 @@ def run_benchmark(args, log=print) -> dict:
     max_accept = runner.tree.max_depth
     auto = None
     if args.auto_budget:
-        calib = [runner.prompt([{"role": "user", "content": q["turns"][0]}])
-                 for qs in sets.values() for q in qs][: args.calibration_prompts]
-        auto = auto_budget(runner, calib, AUTO_CANDIDATES, min(64, args.max_new_tokens), log)
+        calib = [runner.prompt([{"role": "user", "content": q["turns"][0]}]) for q in calibration_questions(files, args)]
+        auto = auto_budget(runner, calib, AUTO_CANDIDATES, min(128, args.max_new_tokens), log)
         max_accept = runner.tree.max_depth
         c = auto["chosen"]
         log(f"auto-budget chose total_tokens={c['total_tokens']} depth={c['depth']} top_k={c['top_k']}")
@@ -396,12 +415,12 @@ def run_benchmark(args, log=print) -> dict:
     return report
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--questions", nargs="+", required=True, help="question files (JSONL: question_id, category, turns)")
     ap.add_argument("--limit", type=int, default=None, help="first N questions of each file")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="per turn")
+    ap.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (upstream's evaluation default)")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their last tokens")
     ap.add_argument("--target", default=str(DEMO_TARGET))
     ap.add_argument("--draft", default=str(DEMO_DRAFT))
@@ -410,7 +429,7 @@ def main(argv=None) -> None:
     ap.add_argument("--depth", type=int, default=DEMO_TREE.depth)
     ap.add_argument("--tree-top-k", type=int, default=DEMO_TREE.top_k)
     ap.add_argument("--auto-budget", action="store_true", help="pick the tree envelope by timing it here")
-    ap.add_argument("--calibration-prompts", type=int, default=4)
+    ap.add_argument("--calibration-prompts", type=int, default=8, help="--auto-budget: prompts timed per tree")
     ap.add_argument("--json", default=None, help="output JSON (default runs/benchmark/<questions>.json); "
                     ".md and .png are written next to it")
     ap.add_argument("--save-outputs", action="store_true", help="include the answers in the JSON")
@@ -419,9 +438,13 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.auto_budget and any(a in (argv or sys.argv) for a in ("--total-tokens", "--depth", "--tree-top-k")):
         ap.error("--auto-budget chooses the tree: drop --total-tokens/--depth/--tree-top-k")
+    return args
 
+
+def main(argv=None) -> None:
     from eagle_jax.errors import EagleError
 
+    args = parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         report = run_benchmark(args, log)

@@ -57,6 +57,29 @@ def test_benchmark_writes_contract(golden_with_template, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
+def test_auto_budget_picks_the_fastest_tree(golden_with_template, tmp_path, monkeypatch):
+    from infer import benchmark
+
+    q = tmp_path / "q.jsonl"
+    q.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Question {i} about the sea?"]}) + "\n"
+                         for i in range(4)))
+    args = benchmark.parse_args(["--questions", str(q), "--limit", "2", "--calibration-prompts", "2"])
+    assert [c["question_id"] for c in benchmark.calibration_questions([q], args)] == [3, 2]  # not the measured ones
+    monkeypatch.setattr(benchmark, "AUTO_CANDIDATES", ((8, 2, 3), (12, 3, 2)))
+    out = tmp_path / "auto.json"
+    benchmark.main(["--questions", str(q), "--limit", "2", "--max-new-tokens", "8", "--max-prompt-tokens", "30",
+                    "--target", str(golden_with_template), "--draft", str(GOLDEN / "eagle3"), "--auto-budget",
+                    "--calibration-prompts", "2", "--json", str(out), "--quiet"])
+    r = json.loads(out.read_text())
+    rows = r["auto_budget"]["candidates"]
+    fastest = max(rows, key=lambda row: row["tokens_per_s"])
+    chosen = {k: fastest[k] for k in ("total_tokens", "depth", "top_k")}
+    assert r["auto_budget"]["chosen"] == chosen == r["tree"]
+    assert all(row["tau"] >= 1 and row["verify_ms"] > 0 for row in rows)
+    assert set(r["auto_budget"]["target_forward_ms"]) == {"1", "8", "12"}
+    assert r["mismatches"] == 0
+
+
 def test_read_questions_errors(tmp_path):
     from eagle_jax.errors import EagleError
     from infer.benchmark import read_questions

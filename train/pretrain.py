@@ -256,7 +256,7 @@ def main(argv=None) -> None:
         if i % 100 == 0:
             history.append({"step": i, "seconds": round(elapsed, 1), "loss": round(float(np.mean(losses[-10:])), 4),
                             "tokens": i * args.batch * T})
-        bar.update(1 if args.steps else (time.time() - start) - bar.n)
+        bar.update(1 if args.steps else min(time.time() - start, budget_s) - bar.n)
         log = {"steps": i, "tokens": i * args.batch * T, "parameters": n_params, "args": vars(args),
                "history": history}
         if time.time() - last_save > args.save_every * 60:
