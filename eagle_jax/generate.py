@@ -1,8 +1,8 @@
 """Plain (non-speculative) generation with the target: one jitted prefill, then one jitted decode loop.
 
-Prompts are right-padded to a length bucket (powers of two from 16, capped by the cache capacity)
-and the default capacity is rounded up too, so a new prompt length in a known bucket compiles
-nothing. The decode loop is a `lax.while_loop` over one-token steps with the cache donated: no
+Prompts are right-padded to a length bucket (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x
+powers of two, capped by the cache capacity) and the default capacity is rounded up too, so a new
+prompt length in a known bucket compiles nothing. The decode loop is a `lax.while_loop` over one-token steps with the cache donated: no
 host round trip per token. Rows stop independently on an eos id (kept in the output) or on their
 token budget; the loop ends when every row is done. Compiled functions are cached per
 (config, sampling config, batch size, bucket, capacity).
@@ -30,8 +30,11 @@ PAD_ID = -1  # fills the output buffer past each row's last token
 
 
 def prompt_bucket(length: int, capacity: int | None = None) -> int:
-    """Padded prompt length: the smallest power of two >= max(length, 16), at most `capacity`."""
-    bucket = max(MIN_BUCKET, 1 << (length - 1).bit_length())
+    """Padded prompt length: the smallest 2^k or 3 * 2^(k-1) (16, 24, 32, 48, 64, 96, ...) >= max(length, 16),
+    at most `capacity`. Two compiled prompt shapes per octave; padding is at most a third of a bucket."""
+    n = max(MIN_BUCKET, length)
+    power = 1 << (n - 1).bit_length()  # the smallest power of two >= n
+    bucket = power * 3 // 4 if power * 3 // 4 >= n else power
     return bucket if capacity is None else min(bucket, capacity)
 
 

@@ -9,7 +9,8 @@ multi-turn question is answered turn by turn: each turn's prompt is the chat his
 turns and the plain decoder's answers) rendered with the tokenizer's chat template. Every turn is
 generated twice in the same process, speculatively (engine) and plainly (eagle_jax.generate), in
 alternating order, after a warm-up that compiles each prompt bucket outside the timings. Both use
-the same cache capacity. Times include prefill.
+the same cache capacity, sized per turn as infer.generate does (prompt bucket + budget + one tree).
+Times include prefill.
 
 Reported per file, per category and overall: tau (tokens per cycle), tokens/s both ways, speedup,
 c = (speculative cycle time) / (plain decode step time, i.e. one target forward over one token) - 1,
@@ -96,7 +97,7 @@ class Runner:
         total, depth, top_k = tree
         self.tree = DynamicTree(total_tokens=total, depth=depth, top_k=top_k)
         self.spec = engine.SpecConfig(tree=self.tree, sampling=self.sampling)
-        need = self.max_prompt_tokens + self.max_new_tokens + self.spec.cache_overhead
+        need = self.max_prompt_tokens + self.max_new_tokens + self.spec.cache_overhead  # the longest turn
         self.capacity = -(-need // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
         self._warm = set()
 
@@ -109,6 +110,12 @@ class Runner:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def capacity_for(self, ids: list[int]) -> int:
+        """A turn's cache capacity, as infer.generate sizes it: its prompt bucket + the budget + one tree."""
+        from eagle_jax.generate import default_capacity, prompt_bucket
+
+        return default_capacity(prompt_bucket(len(ids)), self.max_new_tokens + self.spec.cache_overhead)
+
     # ------------------------------------------------------------ timed runs
     def plain(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
         import jax
@@ -116,7 +123,8 @@ class Runner:
         from eagle_jax import generate as gen
 
         n = max_new_tokens or self.max_new_tokens
-        tokens, lengths, limits, capacity = gen.prepare_prompts([ids], n, self.capacity, self.tcfg.pad_token_id or 0)
+        tokens, lengths, limits, capacity = gen.prepare_prompts([ids], n, self.capacity_for(ids),
+                                                                self.tcfg.pad_token_id or 0)
         key = jax.random.key(self.seed)
         t0 = time.perf_counter()
         cache, first = jax.block_until_ready(gen.prefill(self.tparams, tokens, lengths, key, cfg=self.tcfg,
@@ -136,7 +144,7 @@ class Runner:
         from eagle_jax import engine
 
         n = max_new_tokens or self.max_new_tokens
-        p = engine.prepare([ids], n, self.spec, self.capacity, self.tcfg.pad_token_id or 0)
+        p = engine.prepare([ids], n, self.spec, self.capacity_for(ids), self.tcfg.pad_token_id or 0)
         t0 = time.perf_counter()
         state = jax.block_until_ready(engine.prefill(
             self.tparams, self.dparams, p.tokens, p.lengths, p.limits, jax.random.key(self.seed),
@@ -153,7 +161,7 @@ class Runner:
         """Compile the prompt's bucket for both decoders (untimed)."""
         from eagle_jax.generate import prompt_bucket
 
-        b = prompt_bucket(len(ids), self.capacity)
+        b = prompt_bucket(len(ids))
         if b in self._warm:
             return
         self.plain(ids, 4)
@@ -420,7 +428,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--questions", nargs="+", required=True, help="question files (JSONL: question_id, category, turns)")
     ap.add_argument("--limit", type=int, default=None, help="first N questions of each file")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--max-new-tokens", type=int, default=1024, help="per turn (upstream's evaluation default)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their last tokens")
     ap.add_argument("--target", default=str(DEMO_TARGET))
     ap.add_argument("--draft", default=str(DEMO_DRAFT))
