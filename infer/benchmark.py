@@ -20,8 +20,8 @@ Writes JSON (--json, default runs/benchmark/<questions>.json), a Markdown table 
 
 --auto-budget times speculative cycles of ten tree envelopes (total_tokens 8..64, deep and narrow or
 shallow and wide) on the machine at hand, on calibration questions from the ends of the files, and
-uses the envelope with the highest measured tokens/s (tau / cycle time); it also reports the target
-forward over that many tokens against one token.
+uses the envelope with the highest measured tokens/s (tau / cycle time; median of three interleaved
+rounds); it also reports the target forward over that many tokens against one token.
 """
 
 from __future__ import annotations
@@ -242,23 +242,28 @@ def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
     return 1000 * statistics.median(times) / reps
 
 
-def auto_budget(runner: Runner, prompts: list[list[int]], candidates, max_new_tokens: int, log) -> dict:
-    """Measure tokens/s of each tree envelope on the calibration prompts; pick the fastest."""
+def auto_budget(runner: Runner, prompts: list[list[int]], candidates, max_new_tokens: int, log,
+                rounds: int = 3) -> dict:
+    """Measure tokens/s of each tree envelope on the calibration prompts; pick the fastest.
+
+    After one compiling pass, the candidates are timed in `rounds` interleaved rounds, so that a slow
+    spell of the machine does not land on one candidate only; each gets its median round."""
     verify_ms = {n: target_forward_ms(runner, n) for n in sorted({1} | {c[0] for c in candidates})}
-    rows = []
     for cand in candidates:
         runner.set_tree(cand)
         for ids in prompts:
             runner.warm(ids)
-        tokens = cycles = 0
-        seconds = 0.0
-        for ids in prompts:
-            r = runner.speculative(ids, max_new_tokens)
-            tokens += len(r["tokens"])
-            cycles += r["cycles"]
-            seconds += r["decode_s"]
-        tau = tokens / max(1, cycles)
-        row = {"total_tokens": cand[0], "depth": cand[1], "top_k": cand[2], "tau": round(tau, 3),
+    runs: dict[tuple, list[tuple[int, int, float]]] = {c: [] for c in candidates}  # (tokens, cycles, seconds)
+    for _ in range(rounds):
+        for cand in candidates:
+            runner.set_tree(cand)
+            done = [runner.speculative(ids, max_new_tokens) for ids in prompts]
+            runs[cand].append((sum(len(r["tokens"]) for r in done), sum(r["cycles"] for r in done),
+                               sum(r["decode_s"] for r in done)))
+    rows = []
+    for cand in candidates:
+        tokens, cycles, seconds = sorted(runs[cand], key=lambda r: r[0] / r[2])[rounds // 2]
+        row = {"total_tokens": cand[0], "depth": cand[1], "top_k": cand[2], "tau": round(tokens / max(1, cycles), 3),
                "cycle_ms": round(1000 * seconds / max(1, cycles), 3), "tokens_per_s": round(tokens / seconds, 2),
                "verify_ms": round(verify_ms[cand[0]], 3),
                "verify_over_one_token": round(verify_ms[cand[0]] / verify_ms[1], 3)}
@@ -269,7 +274,7 @@ def auto_budget(runner: Runner, prompts: list[list[int]], candidates, max_new_to
     best = max(rows, key=lambda r: r["tokens_per_s"])
     runner.set_tree((best["total_tokens"], best["depth"], best["top_k"]))
     return {"chosen": {k: best[k] for k in ("total_tokens", "depth", "top_k")}, "candidates": rows,
-            "target_forward_ms": {str(k): round(v, 3) for k, v in verify_ms.items()}}
+            "rounds": rounds, "target_forward_ms": {str(k): round(v, 3) for k, v in verify_ms.items()}}
 
 
 # ---------------------------------------------------------------- reports
