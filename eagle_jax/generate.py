@@ -2,10 +2,10 @@
 
 Prompts are right-padded to a length bucket (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x
 powers of two, capped by the cache capacity) and the default capacity is rounded up too, so a new
-prompt length in a known bucket compiles nothing. The decode loop is a `lax.while_loop` over one-token steps with the cache donated: no
-host round trip per token. Rows stop independently on an eos id (kept in the output) or on their
-token budget; the loop ends when every row is done. Compiled functions are cached per
-(config, sampling config, batch size, bucket, capacity).
+prompt length in a known bucket compiles nothing. The decode loop is a `lax.while_loop` over
+one-token steps with the cache donated: no host round trip per token. Rows stop independently on an
+eos id (kept in the output) or on their token budget; the loop ends when every row is done.
+Compiled functions are cached per (config, sampling config, batch size, bucket, capacity).
 """
 
 from __future__ import annotations

@@ -91,14 +91,12 @@ class Runner:
 
     def set_tree(self, tree) -> None:
         from eagle_jax import engine
-        from eagle_jax.generate import CAPACITY_MULTIPLE
         from eagle_jax.tree import DynamicTree
 
         total, depth, top_k = tree
         self.tree = DynamicTree(total_tokens=total, depth=depth, top_k=top_k)
         self.spec = engine.SpecConfig(tree=self.tree, sampling=self.sampling)
-        need = self.max_prompt_tokens + self.max_new_tokens + self.spec.cache_overhead  # the longest turn
-        self.capacity = -(-need // CAPACITY_MULTIPLE) * CAPACITY_MULTIPLE
+        self.capacity = self.capacity_for(self.max_prompt_tokens)  # the largest any turn gets
         self._warm = set()
 
     # ------------------------------------------------------------ prompts
@@ -110,11 +108,11 @@ class Runner:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def capacity_for(self, ids: list[int]) -> int:
+    def capacity_for(self, prompt_len: int) -> int:
         """A turn's cache capacity, as infer.generate sizes it: its prompt bucket + the budget + one tree."""
         from eagle_jax.generate import default_capacity, prompt_bucket
 
-        return default_capacity(prompt_bucket(len(ids)), self.max_new_tokens + self.spec.cache_overhead)
+        return default_capacity(prompt_bucket(prompt_len), self.max_new_tokens + self.spec.cache_overhead)
 
     # ------------------------------------------------------------ timed runs
     def plain(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
@@ -123,7 +121,7 @@ class Runner:
         from eagle_jax import generate as gen
 
         n = max_new_tokens or self.max_new_tokens
-        tokens, lengths, limits, capacity = gen.prepare_prompts([ids], n, self.capacity_for(ids),
+        tokens, lengths, limits, capacity = gen.prepare_prompts([ids], n, self.capacity_for(len(ids)),
                                                                 self.tcfg.pad_token_id or 0)
         key = jax.random.key(self.seed)
         t0 = time.perf_counter()
@@ -144,7 +142,7 @@ class Runner:
         from eagle_jax import engine
 
         n = max_new_tokens or self.max_new_tokens
-        p = engine.prepare([ids], n, self.spec, self.capacity_for(ids), self.tcfg.pad_token_id or 0)
+        p = engine.prepare([ids], n, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
         t0 = time.perf_counter()
         state = jax.block_until_ready(engine.prefill(
             self.tparams, self.dparams, p.tokens, p.lengths, p.limits, jax.random.key(self.seed),
