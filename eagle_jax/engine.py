@@ -139,20 +139,17 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfi
     (feature_i, token_{i+1}) for i < length (the last token being the root).
     """
     b, p = tokens.shape
-    dtype = tparams["embed"].dtype
-    tcache = target.init_cache(tcfg, b, capacity, dtype)
-    positions = jnp.broadcast_to(jnp.arange(p), (b, p))
-    out = target.forward(tparams, tcfg, tokens, positions, tcache, compute_logits=False)
+    out = target.prefill(tparams, tcfg, tokens, capacity)
     rows = jnp.arange(b)
     last_hidden = out.hidden[rows, lengths - 1]
     root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), spec.sampling)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, lengths - 1].set(root)
-    dcache = draft.init_cache(dcfg, b, capacity, dtype)
+    dcache = draft.init_cache(dcfg, b, p, tparams["embed"].dtype)  # grown below, as the target's
     draft_hidden, dcache = _draft_context(dparams, dcfg, tparams["embed"], dcache, shifted,
                                           _features(dcfg.kind, out), lengths)
     return SpecState(
         target_cache=kv_cache.set_lengths(out.cache, lengths),
-        draft_cache=dcache,
+        draft_cache=kv_cache.grow(dcache, capacity),
         root=root,
         draft_hidden=draft_hidden,
         out=jnp.full((b, capacity), PAD_ID, jnp.int32),

@@ -80,11 +80,7 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
     tokens [B, P] (row b valid up to lengths[b]), lengths [B] -> (cache with lengths set, first [B] int32).
     The first token of row b comes from the logits at position lengths[b] - 1 (step key fold_in(key, 0)).
     """
-    b, p = tokens.shape
-    dtype = params["embed"].dtype
-    cache = target.init_cache(cfg, b, capacity, dtype)
-    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = target.forward(params, cfg, tokens, positions, cache, feature_layers=(), compute_logits=False)
+    out = target.prefill(params, cfg, tokens, capacity, feature_layers=())
     last_hidden = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, H]
     logits = target.lm_logits(params, cfg, last_hidden)  # [B, V]
     first = sample(jax.random.fold_in(key, 0), logits, sc)

@@ -41,6 +41,17 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
+def grow(cache: KVCache, capacity: int) -> KVCache:
+    """The same entries and lengths in a cache of `capacity` slots (>= the current capacity; new slots zero).
+
+    Prefill fills a prompt-sized cache, so its attention spans the prompt, not the whole capacity."""
+    extra = capacity - cache.capacity
+    if extra < 0:
+        raise EagleError(f"cannot grow a cache of capacity {cache.capacity} to {capacity}")
+    pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+    return dataclasses.replace(cache, k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
+
+
 def write(cache_k: jax.Array, cache_v: jax.Array, layer: int | jax.Array, slots: jax.Array,
           k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter new entries k, v [B, T, KV, D] into layer `layer` at per-row slots [B, T]."""

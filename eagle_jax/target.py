@@ -180,3 +180,18 @@ def forward(
     features = jnp.concatenate(list(feats), axis=-1) if feature_layers else x[..., :0]
     logits = lm_logits(params, cfg, hidden) if compute_logits else None
     return TargetOutput(logits, hidden, features, dataclasses.replace(cache, k=ck, v=cv))
+
+
+def prefill(params: dict, cfg: TargetConfig, tokens: jax.Array, capacity: int,
+            feature_layers: Sequence[int] | None = None) -> TargetOutput:
+    """Causal forward of prompts [B, P] from position 0 into a fresh cache of `capacity` slots.
+
+    The prompt attends within a P-slot cache grown to `capacity` afterwards, so prefill costs
+    P x P attention rather than P x capacity. Lengths stay 0: the caller sets them.
+    """
+    b, p = tokens.shape
+    check_capacity(cfg, capacity)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out = forward(params, cfg, tokens, positions, init_cache(cfg, b, p, params["embed"].dtype),
+                  feature_layers=feature_layers, compute_logits=False)
+    return dataclasses.replace(out, cache=kv_cache.grow(out.cache, capacity))

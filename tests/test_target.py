@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from eagle_jax import kv_cache, target
+from eagle_jax.errors import EagleError
 
 TOL = 1e-4
 N_PROMPTS = 4
@@ -117,6 +118,27 @@ def test_prefill_then_decode_equals_full_forward(model, reference):
     close(np.concatenate(logits), ref.logits[0], "cached logits")
     close(np.concatenate(hidden), ref.hidden[0], "cached hidden")
     close(np.concatenate(features), ref.features[0], "cached features")
+
+
+def test_prefill_into_grown_cache_equals_full_capacity(model, reference):
+    """target.prefill attends within a prompt-sized cache, then grows it: its hidden states and
+    cache entries equal a forward into the full-capacity cache, the new slots are zero, and decoding
+    on from it gives the full forward's logits."""
+    cfg, params = model
+    ids = reference["p3.greedy_ids"].astype(np.int32)[:24]
+    ref = full(model, ids[None])
+    out = target.prefill(params, cfg, jnp.asarray(ids[None, :20]), 40)
+    wide = fwd(params, cfg, jnp.asarray(ids[None, :20]), jnp.arange(20)[None], target.init_cache(cfg, 1, 40))
+    assert out.cache.capacity == 40 and int(out.cache.lengths[0]) == 0
+    close(out.hidden[0], wide.hidden[0], "prefill hidden")
+    close(out.features[0], wide.features[0], "prefill features")
+    close(out.cache.k[:, :, :20], wide.cache.k[:, :, :20], "prefill keys")
+    assert not np.any(np.asarray(out.cache.k[:, :, 20:])) and not np.any(np.asarray(out.cache.v[:, :, 20:]))
+    cache = kv_cache.set_lengths(out.cache, jnp.array([20]))
+    step = fwd(params, cfg, jnp.asarray(ids[None, 20:]), jnp.arange(20, 24)[None], cache)
+    close(step.logits[0], ref.logits[0, 20:], "logits after a grown prefill")
+    with pytest.raises(EagleError, match="cannot grow a cache of capacity 40 to 30"):
+        kv_cache.grow(cache, 30)
 
 
 def test_uncommitted_entries_are_overwritten(model, reference):
