@@ -199,6 +199,8 @@ def summarise(records: list[dict], max_accept: int) -> dict:
         "c": round(cycle_s / step_s - 1, 4) if step_s else None,
         "cycle_ms": round(1000 * cycle_s, 3),
         "plain_step_ms": round(1000 * step_s, 3),
+        "prefill_ms_spec": round(1000 * sum(r["spec"]["prefill_s"] for r in records) / max(1, len(records)), 3),
+        "prefill_ms_plain": round(1000 * sum(r["plain"]["prefill_s"] for r in records) / max(1, len(records)), 3),
         "new_tokens_spec": spec_tokens,
         "new_tokens_plain": plain_tokens,
         "n_alpha": n_alpha,
@@ -303,7 +305,9 @@ def markdown(report: dict) -> str:
                  + ", ".join(f"{i + 1}: {a:.2f}" if a is not None else f"{i + 1}: -"
                              for i, a in enumerate(report["n_alpha"])) + "\n")
     lines.append(f"\ncycle {report['cycle_ms']:.2f} ms; plain decode step {report['plain_step_ms']:.2f} ms; "
-                 f"expected speedup tau/(1+c) = {report['tau'] / (1 + report['c']):.2f}x\n")
+                 f"decoding alone: tau/(1+c) = {report['tau'] / (1 + report['c']):.2f}x; prefill per turn "
+                 f"{report['prefill_ms_spec']:.1f} ms (speculative, target + draft) / "
+                 f"{report['prefill_ms_plain']:.1f} ms (plain)\n")
     if report.get("auto_budget"):
         lines.append("\n| total_tokens | depth | top_k | tau | cycle ms | tok/s | target(N)/target(1) |\n"
                      "|---|---|---|---|---|---|---|\n")

@@ -52,6 +52,7 @@ def test_benchmark_writes_contract(golden_with_template, tmp_path):
     for k in CONTRACT:
         assert k in r["categories"]["math"] and k in r["files"]["q"]
     assert r["tau"] >= 1.0 and r["tokens_per_s_spec"] > 0 and r["tokens_per_s_plain"] > 0
+    assert r["prefill_ms_spec"] > 0 and r["prefill_ms_plain"] > 0
     assert len(r["n_alpha"]) == 3  # depth 2 -> up to 3 accepted draft tokens
     assert out.with_suffix(".md").read_text().startswith("# Benchmark")
     assert out.with_suffix(".png").stat().st_size > 0
