@@ -149,27 +149,30 @@ def forward(
     cache: KVCache,
     mask: jax.Array | None = None,
     offset: int | jax.Array = 0,
+    span: int | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One draft pass. tokens [B, T], hidden [B, T, H] (projected features or own outputs).
 
     Writes keys/values at cache slots lengths + offset + [0, T) (lengths are not advanced) and
-    returns the layer output [B, T, H] (pre-norm; the next step's hidden input).
+    returns the layer output [B, T, H] (pre-norm; the next step's hidden input). Attention reads
+    the first `span` cache slots (default: all).
     """
     b, t = tokens.shape
     if mask is None:
         mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    full_mask = kv_cache.window_mask(cache, mask)
+    span = kv_cache.span_of(cache, span)
+    full_mask = kv_cache.window_mask(cache, mask, span)
     slots = cache.lengths[:, None] + offset + jnp.arange(t)[None, :]
     emb = embed[tokens].astype(hidden.dtype)  # [B, T, H]
     ck, cv = cache.k, cache.v
     if c.kind == "eagle3":
         p = params["layers"][0]
-        x, ck, cv = _layer(p, c, eagle3_input(p, c, emb, hidden), hidden, positions, ck, cv, 0, slots, full_mask)
+        x, ck, cv = _layer(p, c, eagle3_input(p, c, emb, hidden), hidden, positions, ck, cv, 0, slots, full_mask, span)
     else:
         x = linear(jnp.concatenate([emb, hidden], -1), params["fc"], params.get("fc_bias"))
         for i, p in enumerate(params["layers"]):
             h = rms_norm(x, p["input_norm"], c.rms_norm_eps) if i > 0 else x
-            x, ck, cv = _layer(p, c, h, x, positions, ck, cv, i, slots, full_mask)
+            x, ck, cv = _layer(p, c, h, x, positions, ck, cv, i, slots, full_mask, span)
     return x, dataclasses.replace(cache, k=ck, v=cv)
 
 
@@ -196,11 +199,11 @@ def post_attention(p: dict, c: DraftConfig, attn: jax.Array, residual: jax.Array
     return h + swiglu(rms_norm(h, p["mlp_norm"], c.rms_norm_eps), p["mlp"])
 
 
-def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, layer: int, slots, mask):
+def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, layer: int, slots, mask, span: int):
     """One cached decoder layer on the (already normed) input x with `residual`."""
     q, k, v = qkv(p, c, x, positions)
     ck, cv = kv_cache.write(ck, cv, layer, slots, k, v)
-    return post_attention(p, c, attend(q, ck[layer], cv[layer], mask), residual), ck, cv
+    return post_attention(p, c, attend(q, ck[layer, :, :span], cv[layer, :, :span], mask), residual), ck, cv
 
 
 def logits(params: dict, c: DraftConfig, out: jax.Array, target_head: jax.Array | None) -> jax.Array:

@@ -4,8 +4,10 @@ One jitted function runs a whole cycle with fixed shapes:
   draft tree (expand, rerank) -> target forward over the tree under the tree mask -> choose the
   accepted path and the bonus token -> move the accepted target KV entries to contiguous slots
   (rejected ones are dropped by length) -> feed the accepted features to the draft.
-Generation is a `lax.while_loop` over cycles with donated state; `stream` drives the same jitted
-cycle from Python for terminal output.
+Generation is a `lax.while_loop` over cycles with donated state, run in segments whose attention
+spans the smallest power-of-two multiple of 128 cache slots that holds every live row (a new span,
+compiled once, when the context outgrows it); `stream` drives the same jitted cycle from Python
+for terminal output.
 
 Acceptance. At every tree node the target's choice is drawn from its processed distribution p
 (argmax when greedy). A node is accepted when every node on its path equals the choice at its
@@ -31,7 +33,7 @@ import numpy as np
 from eagle_jax import draft, kv_cache, target, tree as trees
 from eagle_jax.config import TargetConfig
 from eagle_jax.draft import DraftConfig
-from eagle_jax.generate import PAD_ID, default_capacity, is_eos, prepare_prompts, prompt_bucket
+from eagle_jax.generate import PAD_ID, default_capacity, is_eos, prepare_prompts, prompt_bucket, run_segments
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.sampling import SamplingConfig, sample
 from eagle_jax.tree import Tree, TreeConfig
@@ -110,22 +112,23 @@ def _features(kind: str, out: target.TargetOutput) -> jax.Array:
     return out.features if kind == "eagle3" else out.hidden
 
 
-def _expand_fn(dparams: dict, dcfg: DraftConfig, embed: jax.Array, head: jax.Array, k: int):
+def _expand_fn(dparams: dict, dcfg: DraftConfig, embed: jax.Array, head: jax.Array, k: int, span: int | None):
     def expand(cache, tokens, hidden, positions, mask, offset):
-        out, cache = draft.forward(dparams, dcfg, embed, tokens, hidden, positions, cache, mask, offset)
+        out, cache = draft.forward(dparams, dcfg, embed, tokens, hidden, positions, cache, mask, offset, span)
         ids, logp = draft.top_k(dparams, dcfg, out, head, k)
         return cache, out, ids, logp
 
     return expand
 
 
-def _draft_context(dparams, dcfg, embed, cache: KVCache, tokens, features, count) -> tuple[jax.Array, KVCache]:
+def _draft_context(dparams, dcfg, embed, cache: KVCache, tokens, features, count,
+                   span: int | None) -> tuple[jax.Array, KVCache]:
     """Append (feature_i, token_{i+1}) pairs [B, T] for the first count [B] of each row; returns the
     draft output at the last appended pair [B, H] and the cache with lengths advanced by count."""
     b, t = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t)[None, :]
     hidden = draft.project_features(dparams, dcfg, features)
-    out, cache = draft.forward(dparams, dcfg, embed, tokens, hidden, positions, cache)
+    out, cache = draft.forward(dparams, dcfg, embed, tokens, hidden, positions, cache, span=span)
     last = jnp.take_along_axis(out, (count - 1)[:, None, None], axis=1)[:, 0]
     return last, kv_cache.advance(cache, count)
 
@@ -144,12 +147,12 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfi
     last_hidden = out.hidden[rows, lengths - 1]
     root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), spec.sampling)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, lengths - 1].set(root)
-    dcache = draft.init_cache(dcfg, b, p, tparams["embed"].dtype)  # grown below, as the target's
+    dcache = draft.init_cache(dcfg, b, capacity, tparams["embed"].dtype)
     draft_hidden, dcache = _draft_context(dparams, dcfg, tparams["embed"], dcache, shifted,
-                                          _features(dcfg.kind, out), lengths)
+                                          _features(dcfg.kind, out), lengths, span=p)
     return SpecState(
         target_cache=kv_cache.set_lengths(out.cache, lengths),
-        draft_cache=kv_cache.grow(dcache, capacity),
+        draft_cache=dcache,
         root=root,
         draft_hidden=draft_hidden,
         out=jnp.full((b, capacity), PAD_ID, jnp.int32),
@@ -179,8 +182,15 @@ def accept(tr: Tree, choice: jax.Array, path_len: int) -> tuple[jax.Array, jax.A
     return accept_len, path, choice[rows, best]
 
 
-def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig):
-    """One draft -> verify -> accept cycle. Returns the new state and this cycle's tree."""
+def slots_needed(s: SpecState, spec: SpecConfig) -> jax.Array:
+    """Cache slots [B] each row's next cycle writes up to (in the target's and the draft's cache)."""
+    return jnp.maximum(s.target_cache.lengths, s.draft_cache.lengths) + spec.cache_overhead
+
+
+def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig,
+           span: int | None):
+    """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
+    running row's `slots_needed`). Returns the new state and this cycle's tree."""
     b = s.root.shape[0]
     rows = jnp.arange(b)
     embed = tparams["embed"]
@@ -188,12 +198,12 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     running = ~s.done
     # 1. draft the tree
     ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, spec.tree.top_k)
-    expand = _expand_fn(dparams, dcfg, embed, head, spec.tree.top_k)
+    expand = _expand_fn(dparams, dcfg, embed, head, spec.tree.top_k, span)
     start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
     tr, dcache = trees.build(spec.tree, start, expand, s.draft_cache)
     # 2. verify: one target forward over the tree
     positions = s.target_cache.lengths[:, None] + tr.depths
-    fwd = target.forward(tparams, tcfg, tr.tokens, positions, s.target_cache, mask=tr.mask)
+    fwd = target.forward(tparams, tcfg, tr.tokens, positions, s.target_cache, mask=tr.mask, span=span)
     key = jax.random.fold_in(s.key, s.cycle + 1)
     choice = sample(key, fwd.logits, spec.sampling)  # [B, N] the target's token after each node
     # 3. accept the deepest node whose whole path agrees with the target
@@ -214,7 +224,7 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     tcache = kv_cache.advance(kv_cache.compact(fwd.cache, path), commit)
     pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
     feats = jnp.take_along_axis(_features(dcfg.kind, fwd), path[:, :, None], axis=1)
-    draft_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit)
+    draft_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
     eos = s.eos | (running & hit_eos)
     room = tcache.lengths + spec.cache_overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room
@@ -236,20 +246,32 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     return new, tr
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("state",))
-def cycle(tparams, dparams, state: SpecState, *, tcfg, dcfg, spec) -> tuple[SpecState, Tree]:
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "span"), donate_argnames=("state",))
+def cycle(tparams, dparams, state: SpecState, *, tcfg, dcfg, spec, span=None) -> tuple[SpecState, Tree]:
     """One jitted cycle (the streaming path)."""
-    return _cycle(tparams, dparams, state, tcfg, dcfg, spec)
+    return _cycle(tparams, dparams, state, tcfg, dcfg, spec, span)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec"), donate_argnames=("state",))
-def run(tparams, dparams, state: SpecState, *, tcfg, dcfg, spec) -> SpecState:
-    """Cycles until every row is done, as one `lax.while_loop` (no host round trip per cycle)."""
-    return jax.lax.while_loop(
-        lambda s: ~jnp.all(s.done),
-        lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, spec)[0],
-        state,
-    )
+def run_loop(tparams, dparams, state: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig,
+             span: int | None = None) -> SpecState:
+    """Cycles as one `lax.while_loop` (no host round trip per cycle) until every row is done or a
+    running row's next cycle would write past `span` cache slots (default: the whole cache)."""
+    span = kv_cache.span_of(state.target_cache, span)
+
+    def go_on(s: SpecState) -> jax.Array:
+        return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, spec) <= span))
+
+    return jax.lax.while_loop(go_on, lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, spec, span)[0], state)
+
+
+run_span = jax.jit(run_loop, static_argnames=("tcfg", "dcfg", "spec", "span"), donate_argnames=("state",))
+
+
+def run(tparams, dparams, state: SpecState, *, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig) -> SpecState:
+    """Cycles until every row is done, in segments over growing attention spans."""
+    return run_segments(
+        lambda s, span: run_span(tparams, dparams, s, tcfg=tcfg, dcfg=dcfg, spec=spec, span=span),
+        state, lambda s: slots_needed(s, spec), state.target_cache.capacity)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,8 +322,10 @@ def stream(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: lis
            capacity: int | None = None) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
     """Drive the jitted cycle from Python; yields (new tokens per row, the cycle's tree, state)."""
     state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity)
-    while not bool(jnp.all(state.done)):
-        before = np.asarray(state.counts)
-        state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec)
-        counts, out = jax.device_get((state.counts, state.out))
+    before, needed, done = jax.device_get((state.counts, slots_needed(state, spec), state.done))
+    while not done.all():
+        span = kv_cache.attention_span(int(needed[~done].max()), state.target_cache.capacity)
+        state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec, span=span)
+        counts, out, needed, done = jax.device_get((state.counts, state.out, slots_needed(state, spec), state.done))
         yield [out[r, before[r]:counts[r]].tolist() for r in range(len(counts))], tr, state
+        before = counts

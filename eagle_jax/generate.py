@@ -3,7 +3,9 @@
 Prompts are right-padded to a length bucket (16, 24, 32, 48, 64, 96, ...: powers of two and 1.5x
 powers of two, capped by the cache capacity) and the default capacity is rounded up too, so a new
 prompt length in a known bucket compiles nothing. The decode loop is a `lax.while_loop` over
-one-token steps with the cache donated: no host round trip per token. Rows stop independently on an
+one-token steps with the state donated: no host round trip per token. It runs in segments whose
+attention spans the smallest power-of-two multiple of 128 cache slots holding every live row, so a
+step's cost follows the context length rather than the capacity (`run_segments`). Rows stop independently on an
 eos id (kept in the output) or on their token budget; the loop ends when every row is done.
 Compiled functions are cached per (config, sampling config, batch size, bucket, capacity).
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
+from typing import Callable, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ from eagle_jax.errors import EagleError
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.sampling import SamplingConfig, sample
 
+State = TypeVar("State")
 MIN_BUCKET = 16
 CAPACITY_MULTIPLE = 128
 PAD_ID = -1  # fills the output buffer past each row's last token
@@ -53,6 +57,7 @@ class DecodeState:
     done: jax.Array  # [B] bool
     eos: jax.Array  # [B] bool: the row ended on an eos id
     counts: jax.Array  # [B] int32: tokens generated so far
+    limits: jax.Array  # [B] int32: per-row budgets
     out: jax.Array  # [B, C] int32: generated tokens, PAD_ID past counts
     cache: KVCache
 
@@ -93,34 +98,63 @@ def init_state(cache: KVCache, first: jax.Array, limits: jax.Array, cfg: TargetC
     out = jnp.full((b, cache.capacity), PAD_ID, jnp.int32).at[:, 0].set(first)
     eos = is_eos(first, cfg)
     counts = jnp.ones((b,), jnp.int32)
-    return DecodeState(jnp.int32(1), first, eos | (counts >= limits), eos, counts, out, cache)
+    return DecodeState(jnp.int32(1), first, eos | (counts >= limits), eos, counts, limits, out, cache)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "sc"), donate_argnames=("cache",))
-def decode(params: dict, cache: KVCache, first: jax.Array, limits: jax.Array, key: jax.Array, *,
-           cfg: TargetConfig, sc: SamplingConfig) -> DecodeState:
-    """Generate until every row hits eos or its budget limits [B]; step s samples with fold_in(key, s).
+def run_segments(segment: Callable[[State, int], State], state: State, slots_needed: Callable[[State], jax.Array],
+                 capacity: int) -> State:
+    """Drive a decode loop that also stops when a running row outgrows its attention span: run
+    `segment(state, span)` with the smallest `kv_cache.attention_span` holding every running row's
+    slots_needed(state) [B], again with a larger span when it stops early, until every row is done."""
+    span = 0
+    while True:
+        needed, done = jax.device_get((slots_needed(state), state.done))
+        if done.all():
+            return state
+        if span == capacity:
+            raise EagleError(f"a decode loop stopped with rows running and a full-capacity span ({capacity})")
+        span = kv_cache.attention_span(int(needed[~done].max()), capacity)
+        state = segment(state, span)
+
+
+def decode_loop(params: dict, state: DecodeState, key: jax.Array, cfg: TargetConfig, sc: SamplingConfig,
+                span: int | None = None) -> DecodeState:
+    """Generate until every row hits eos or its budget, or a running row's next step would write past
+    `span` cache slots (default: the whole cache); step s samples with fold_in(key, s).
 
     Each step feeds the rows' latest tokens [B, 1] at positions = cache lengths and commits one
     slot for every row still running; finished rows are computed but neither commit nor change.
     """
+    span = kv_cache.span_of(state.cache, span)
 
-    def cond(s: DecodeState) -> jax.Array:
-        return ~jnp.all(s.done)
+    def go_on(s: DecodeState) -> jax.Array:
+        return ~jnp.all(s.done) & jnp.all(s.done | (s.cache.lengths < span))
 
     def body(s: DecodeState) -> DecodeState:
         running = ~s.done
-        fwd = target.forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache, feature_layers=())
+        fwd = target.forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache, feature_layers=(),
+                             span=span)
         cache = kv_cache.advance(fwd.cache, running)
         nxt = sample(jax.random.fold_in(key, s.step), fwd.logits[:, 0], sc)  # [B]
         nxt = jnp.where(running, nxt, s.last)
         out = s.out.at[:, s.step].set(jnp.where(running, nxt, PAD_ID), mode="drop")
         counts = s.counts + running
         eos = s.eos | (running & is_eos(nxt, cfg))
-        done = s.done | eos | (counts >= limits)
-        return DecodeState(s.step + 1, nxt, done, eos, counts, out, cache)
+        done = s.done | eos | (counts >= s.limits)
+        return DecodeState(s.step + 1, nxt, done, eos, counts, s.limits, out, cache)
 
-    return jax.lax.while_loop(cond, body, init_state(cache, first, limits, cfg))
+    return jax.lax.while_loop(go_on, body, state)
+
+
+decode_span = jax.jit(decode_loop, static_argnames=("cfg", "sc", "span"), donate_argnames=("state",))
+
+
+def decode(params: dict, cache: KVCache, first: jax.Array, limits: jax.Array, key: jax.Array, *,
+           cfg: TargetConfig, sc: SamplingConfig) -> DecodeState:
+    """Generate from a prefilled cache and first tokens [B] until every row hits eos or its budget
+    limits [B], in segments over growing attention spans (the cache is consumed)."""
+    return run_segments(lambda s, span: decode_span(params, s, key, cfg=cfg, sc=sc, span=span),
+                        init_state(cache, first, limits, cfg), lambda s: s.cache.lengths + 1, cache.capacity)
 
 
 def prepare_prompts(prompts: list[list[int]], max_new_tokens: int, capacity: int | None,

@@ -3,6 +3,10 @@
 Slots [0, lengths[b]) of row b hold committed context. A forward writes its T new entries at
 slots lengths + offset + [0, T) and does not move `lengths`: the caller commits what it keeps
 (`advance`), so rejected tree entries are dropped by length, never by copying the cache.
+
+A forward attends over the first `span` slots only (a static length, the whole capacity by default):
+prefill over the prompt, decode loops over the smallest `attention_span` that holds every live row,
+so attention costs grow with the context, not with the capacity.
 """
 
 from __future__ import annotations
@@ -32,6 +36,15 @@ class KVCache:
 
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+SPAN_UNIT = 128
+
+
+def attention_span(needed: int, capacity: int) -> int:
+    """Slots a decode segment attends over: the smallest SPAN_UNIT * 2^k >= needed, at most `capacity`."""
+    span = SPAN_UNIT
+    while span < needed:
+        span *= 2
+    return min(span, capacity)
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
@@ -39,17 +52,6 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
         raise EagleError(f"cache capacity must be positive, got {capacity}")
     shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
-
-
-def grow(cache: KVCache, capacity: int) -> KVCache:
-    """The same entries and lengths in a cache of `capacity` slots (>= the current capacity; new slots zero).
-
-    Prefill fills a prompt-sized cache, so its attention spans the prompt, not the whole capacity."""
-    extra = capacity - cache.capacity
-    if extra < 0:
-        raise EagleError(f"cannot grow a cache of capacity {cache.capacity} to {capacity}")
-    pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
-    return dataclasses.replace(cache, k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad))
 
 
 def write(cache_k: jax.Array, cache_v: jax.Array, layer: int | jax.Array, slots: jax.Array,
@@ -88,16 +90,25 @@ def compact(cache: KVCache, src: jax.Array) -> KVCache:
     return dataclasses.replace(cache, k=new_k, v=new_v)
 
 
-def window_mask(cache: KVCache, new_mask: jax.Array) -> jax.Array:
-    """Attention mask [B, T, S] over all cache slots.
+def window_mask(cache: KVCache, new_mask: jax.Array, span: int) -> jax.Array:
+    """Attention mask [B, T, span] over the first `span` cache slots.
 
     A query sees committed slots (< lengths) plus the window [lengths, lengths + W) as allowed by
     new_mask [B, T, W] (the uncommitted entries written by this and earlier calls).
     """
     b, t, w = new_mask.shape
-    slots = jnp.arange(cache.capacity)[None, None, :]
-    rel = slots - cache.lengths[:, None, None]  # [B, 1, S]
+    slots = jnp.arange(span)[None, None, :]
+    rel = slots - cache.lengths[:, None, None]  # [B, 1, span]
     committed = rel < 0
     in_window = (rel >= 0) & (rel < w)
-    picked = jnp.take_along_axis(new_mask, jnp.broadcast_to(jnp.clip(rel, 0, w - 1), (b, t, cache.capacity)), axis=2)
+    picked = jnp.take_along_axis(new_mask, jnp.broadcast_to(jnp.clip(rel, 0, w - 1), (b, t, span)), axis=2)
     return committed | (in_window & picked)
+
+
+def span_of(cache: KVCache, span: int | None) -> int:
+    """The attended span: `span`, or the whole capacity when None."""
+    if span is None:
+        return cache.capacity
+    if not 1 <= span <= cache.capacity:
+        raise EagleError(f"attention span {span} must lie in [1, cache capacity {cache.capacity}]")
+    return span

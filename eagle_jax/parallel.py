@@ -99,8 +99,8 @@ def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh) -> S
 def decode_state_shardings(tcfg: TargetConfig, mesh: Mesh) -> DecodeState:
     """The plain decode loop state: the cache as `cache_shardings`, per-row fields over data."""
     by_row, by_row_wide, replicated = (_named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), ()))
-    return DecodeState(step=replicated, last=by_row, done=by_row, eos=by_row, counts=by_row, out=by_row_wide,
-                       cache=cache_shardings(tcfg.num_kv_heads, mesh))
+    return DecodeState(step=replicated, last=by_row, done=by_row, eos=by_row, counts=by_row, limits=by_row,
+                       out=by_row_wide, cache=cache_shardings(tcfg.num_kv_heads, mesh))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +108,7 @@ class SpecPrograms:
     """The engine's prefill and generation loop for one setting, jitted with in/out shardings.
 
     prefill(tparams, dparams, tokens [B, P], lengths [B], limits [B], key) -> SpecState
-    run(tparams, dparams, state) -> SpecState (state donated)
+    run(tparams, dparams, state) -> SpecState (state donated; attention spans the whole cache)
     """
 
     target: PyTree  # NamedShardings of the target parameters
@@ -129,7 +129,7 @@ def spec_programs(tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig, capac
     static = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
     prefill = jax.jit(functools.partial(engine.prefill, capacity=capacity, **static),
                       in_shardings=(tsh, dsh, rows, rows, rows, replicated), out_shardings=ssh)
-    run = jax.jit(functools.partial(engine.run, **static), in_shardings=(tsh, dsh, ssh), out_shardings=ssh,
+    run = jax.jit(functools.partial(engine.run_loop, **static), in_shardings=(tsh, dsh, ssh), out_shardings=ssh,
                   donate_argnums=(2,))
     return SpecPrograms(tsh, dsh, ssh, rows, replicated, prefill, run)
 
@@ -139,7 +139,7 @@ class PlainPrograms:
     """Plain generation's prefill and decode loop for one setting, jitted with in/out shardings.
 
     prefill(params, tokens [B, P], lengths [B], key) -> (KVCache, first [B])
-    decode(params, cache, first [B], limits [B], key) -> DecodeState (cache donated)
+    decode(params, cache, first [B], limits [B], key) -> DecodeState (cache donated; whole-cache attention)
     """
 
     target: PyTree
@@ -156,8 +156,11 @@ def plain_programs(tcfg: TargetConfig, sampling: SamplingConfig, capacity: int, 
     rows, replicated = dsh.counts, dsh.step
     prefill = jax.jit(functools.partial(plain.prefill, cfg=tcfg, sc=sampling, capacity=capacity),
                       in_shardings=(tsh, rows, rows, replicated), out_shardings=(dsh.cache, rows))
-    decode = jax.jit(functools.partial(plain.decode, cfg=tcfg, sc=sampling),
-                     in_shardings=(tsh, dsh.cache, rows, rows, replicated), out_shardings=dsh, donate_argnums=(1,))
+    def decode(params, cache, first, limits, key):
+        return plain.decode_loop(params, plain.init_state(cache, first, limits, tcfg), key, tcfg, sampling)
+
+    decode = jax.jit(decode, in_shardings=(tsh, dsh.cache, rows, rows, replicated), out_shardings=dsh,
+                     donate_argnums=(1,))
     return PlainPrograms(tsh, rows, replicated, prefill, decode)
 
 

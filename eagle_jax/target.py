@@ -107,7 +107,7 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 
 
 def _attention(p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v,
-               layer, slots, mask) -> tuple[jax.Array, jax.Array, jax.Array]:
+               layer, slots, mask, span: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -118,7 +118,7 @@ def _attention(p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, c
     q = apply_rope(q, positions, cfg.rope)
     k = apply_rope(k, positions, cfg.rope)
     cache_k, cache_v = kv_cache.write(cache_k, cache_v, layer, slots, k, v)
-    out = attend(q, cache_k[layer], cache_v[layer], mask)  # [B, T, N, D]
+    out = attend(q, cache_k[layer, :, :span], cache_v[layer, :, :span], mask)  # [B, T, N, D]
     out = linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
     return out, cache_k, cache_v
 
@@ -143,11 +143,13 @@ def forward(
     offset: int | jax.Array = 0,
     feature_layers: Sequence[int] | None = None,
     compute_logits: bool = True,
+    span: int | None = None,
 ) -> TargetOutput:
     """Run T new tokens [B, T] at positions [B, T] against the cache.
 
     The new keys/values are written at slots lengths + offset + [0, T); `mask` [B, T, W] says which
     of the window slots [lengths, lengths + W) each new token sees (default: causal, W = T).
+    Attention reads the first `span` slots (static; default the whole cache), which must hold them.
     The cache lengths are not advanced: call `kv_cache.advance` with what is committed.
     """
     b, t = tokens.shape
@@ -156,7 +158,8 @@ def forward(
     feature_layers = tuple(feature_layers if feature_layers is not None else cfg.eagle3_layers)
     if any(not 0 <= i < cfg.num_layers for i in feature_layers):
         raise EagleError(f"feature_layers={feature_layers}: layer indices must lie in [0, {cfg.num_layers})")
-    full_mask = kv_cache.window_mask(cache, mask)  # [B, T, S]
+    span = kv_cache.span_of(cache, span)
+    full_mask = kv_cache.window_mask(cache, mask, span)  # [B, T, span]
     slots = cache.lengths[:, None] + offset + jnp.arange(t)[None, :]  # [B, T]
     x = params["embed"][tokens]  # [B, T, H]
     feats = jnp.zeros((len(feature_layers),) + x.shape, x.dtype)
@@ -167,7 +170,7 @@ def forward(
         p, i = inputs
         feats = jnp.where((layer_ids == i)[:, None, None, None], x[None], feats)
         h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        attn, ck, cv = _attention(p, cfg, h, positions, ck, cv, i, slots, full_mask)
+        attn, ck, cv = _attention(p, cfg, h, positions, ck, cv, i, slots, full_mask, span)
         x = x + attn
         h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
         mlp = sparse_moe(h, p["mlp"], cfg.experts_per_token) if cfg.is_moe else swiglu(h, p["mlp"])
@@ -186,12 +189,10 @@ def prefill(params: dict, cfg: TargetConfig, tokens: jax.Array, capacity: int,
             feature_layers: Sequence[int] | None = None) -> TargetOutput:
     """Causal forward of prompts [B, P] from position 0 into a fresh cache of `capacity` slots.
 
-    The prompt attends within a P-slot cache grown to `capacity` afterwards, so prefill costs
-    P x P attention rather than P x capacity. Lengths stay 0: the caller sets them.
+    Attention spans the P prompt slots only (P x P, not P x capacity). Lengths stay 0: the caller
+    sets them.
     """
     b, p = tokens.shape
-    check_capacity(cfg, capacity)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = forward(params, cfg, tokens, positions, init_cache(cfg, b, p, params["embed"].dtype),
-                  feature_layers=feature_layers, compute_logits=False)
-    return dataclasses.replace(out, cache=kv_cache.grow(out.cache, capacity))
+    return forward(params, cfg, tokens, positions, init_cache(cfg, b, capacity, params["embed"].dtype),
+                   feature_layers=feature_layers, compute_logits=False, span=p)

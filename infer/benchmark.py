@@ -212,8 +212,8 @@ def summarise(records: list[dict], max_accept: int) -> dict:
 
 def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
     """Milliseconds of one target forward over n new tokens (logits and argmax included) against a
-    half-full cache: what verifying an n-node tree costs. Timed as `reps` forwards inside one jitted
-    loop, so dispatch does not count."""
+    half-full cache, attending over the span decoding would use there: what verifying an n-node tree
+    costs. Timed as `reps` forwards inside one jitted loop, so dispatch does not count."""
     import jax
     import jax.numpy as jnp
 
@@ -227,7 +227,8 @@ def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
     def forwards(params, cache):
         def one(i, cache):
             tokens = jnp.full((1, n), i, jnp.int32)
-            out = target_model.forward(params, runner.tcfg, tokens, cache.lengths[:, None] + jnp.arange(n)[None], cache)
+            out = target_model.forward(params, runner.tcfg, tokens, cache.lengths[:, None] + jnp.arange(n)[None], cache,
+                                       span=kv_cache.attention_span(ctx + n, runner.capacity))
             # lengths stay at ctx, but depend on the logits so that nothing is skipped
             return kv_cache.advance(out.cache, jnp.minimum(jnp.sum(argmax(out.logits)), 0)[None])
 

@@ -108,6 +108,34 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
     assert sum(a for row in res.accept_lengths for a in row) > 0  # some drafts were accepted
 
 
+def test_growing_attention_spans_are_lossless(monkeypatch):
+    """300 new tokens for rows of different lengths cross spans 128 -> 256 -> 384: speculative output
+    equals plain greedy, streamed or looped, and plain greedy in segments equals one whole-cache loop."""
+    from eagle_jax import kv_cache
+
+    spans = []
+    schedule = kv_cache.attention_span
+    monkeypatch.setattr(kv_cache, "attention_span", lambda n, cap: spans.append(schedule(n, cap)) or spans[-1])
+    tcfg, tparams = tiny_target("llama", seed=7, vocab=48)
+    dcfg, dparams = tiny_draft("eagle3", tcfg, seed=8, draft_vocab=32)
+    prompts = [[5, 6, 7, 8, 9] * 6, [3, 1]]
+    plain = _plain(tparams, tcfg, prompts, 300)
+    assert sorted(set(spans)) == [128, 256, 384]
+    spec = SpecConfig(DynamicTree(8, 4, 2))
+    assert engine.generate(tparams, tcfg, dparams, dcfg, prompts, 300, spec).tokens == plain
+    streamed = [[] for _ in prompts]
+    for new, _, _ in engine.stream(tparams, tcfg, dparams, dcfg, prompts, 300, spec):
+        for row, toks in zip(streamed, new):
+            row.extend(toks)
+    assert streamed == plain
+    tokens, lengths, limits, capacity = generate.prepare_prompts(prompts, 300, None)
+    key = jax.random.key(0)
+    cache, first = generate.prefill(tparams, tokens, lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=capacity)
+    whole = generate.decode_span(tparams, generate.init_state(cache, first, limits, tcfg), key, cfg=tcfg,
+                                 sc=SamplingConfig())
+    assert [np.asarray(whole.out)[r, :300].tolist() for r in range(2)] == plain
+
+
 def test_eos_and_budget_per_row():
     """Rows stop at their own eos (kept) and never pass max_new_tokens; finished rows stop changing."""
     tcfg, tparams = tiny_target("llama", seed=3, vocab=48)
@@ -194,6 +222,6 @@ def test_no_compile_after_warmup(heads, golden_target):
     dcfg, dparams = heads["eagle3"]
     spec = SpecConfig(DynamicTree(16, 4, 4))
     engine.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3]], 20, spec)
-    before = (engine.prefill._cache_size(), engine.run._cache_size())
+    before = (engine.prefill._cache_size(), engine.run_span._cache_size())
     engine.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3, 7, 8, 11]], 40, spec)
-    assert (engine.prefill._cache_size(), engine.run._cache_size()) == before
+    assert (engine.prefill._cache_size(), engine.run_span._cache_size()) == before

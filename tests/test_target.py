@@ -120,10 +120,10 @@ def test_prefill_then_decode_equals_full_forward(model, reference):
     close(np.concatenate(features), ref.features[0], "cached features")
 
 
-def test_prefill_into_grown_cache_equals_full_capacity(model, reference):
-    """target.prefill attends within a prompt-sized cache, then grows it: its hidden states and
-    cache entries equal a forward into the full-capacity cache, the new slots are zero, and decoding
-    on from it gives the full forward's logits."""
+def test_attention_span_equals_whole_cache(model, reference):
+    """Attending over the first `span` slots only (target.prefill spans the prompt) gives the
+    whole-cache forward's outputs and cache entries; decoding on with a span gives the full
+    forward's logits. Spans outside [1, capacity] are refused."""
     cfg, params = model
     ids = reference["p3.greedy_ids"].astype(np.int32)[:24]
     ref = full(model, ids[None])
@@ -132,13 +132,17 @@ def test_prefill_into_grown_cache_equals_full_capacity(model, reference):
     assert out.cache.capacity == 40 and int(out.cache.lengths[0]) == 0
     close(out.hidden[0], wide.hidden[0], "prefill hidden")
     close(out.features[0], wide.features[0], "prefill features")
-    close(out.cache.k[:, :, :20], wide.cache.k[:, :, :20], "prefill keys")
-    assert not np.any(np.asarray(out.cache.k[:, :, 20:])) and not np.any(np.asarray(out.cache.v[:, :, 20:]))
+    close(out.cache.k, wide.cache.k, "prefill keys")
     cache = kv_cache.set_lengths(out.cache, jnp.array([20]))
-    step = fwd(params, cfg, jnp.asarray(ids[None, 20:]), jnp.arange(20, 24)[None], cache)
-    close(step.logits[0], ref.logits[0, 20:], "logits after a grown prefill")
-    with pytest.raises(EagleError, match="cannot grow a cache of capacity 40 to 30"):
-        kv_cache.grow(cache, 30)
+    step = target.forward(params, cfg, jnp.asarray(ids[None, 20:]), jnp.arange(20, 24)[None], cache, span=24)
+    close(step.logits[0], ref.logits[0, 20:], "logits over a 24-slot span")
+    with pytest.raises(EagleError, match="attention span 41 must lie in"):
+        target.forward(params, cfg, jnp.asarray(ids[None, 20:]), jnp.arange(20, 24)[None], cache, span=41)
+
+
+def test_attention_span_schedule():
+    assert [kv_cache.attention_span(n, 1000) for n in (1, 128, 129, 300, 600)] == [128, 128, 256, 512, 1000]
+    assert kv_cache.attention_span(5, 64) == 64
 
 
 def test_uncommitted_entries_are_overwritten(model, reference):
