@@ -92,6 +92,7 @@ def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, key: jax.Array,
     return kv_cache.set_lengths(out.cache, lengths), first
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
 def init_state(cache: KVCache, first: jax.Array, limits: jax.Array, cfg: TargetConfig) -> DecodeState:
     """Decode state after prefill: first [B] is generated token 0; limits [B] are the per-row budgets."""
     b = first.shape[0]

@@ -47,6 +47,14 @@ def attention_span(needed: int, capacity: int) -> int:
     return min(span, capacity)
 
 
+def all_spans(capacity: int) -> list[int]:
+    """Every span `attention_span` can choose for a cache of `capacity` slots (what a warm-up compiles)."""
+    spans = [SPAN_UNIT]
+    while spans[-1] < capacity:
+        spans.append(2 * spans[-1])
+    return [min(s, capacity) for s in spans]
+
+
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
     if capacity < 1:
         raise EagleError(f"cache capacity must be positive, got {capacity}")

@@ -156,14 +156,26 @@ class Runner:
                 "decode_s": t2 - t1, "seconds": t2 - t0, "cycles": len(res.accept_lengths[0])}
 
     def warm(self, ids: list[int]) -> None:
-        """Compile the prompt's bucket for both decoders (untimed)."""
-        from eagle_jax.generate import prompt_bucket
+        """Compile the prompt's bucket for both decoders, prefill and every attention span (untimed)."""
+        import jax
 
-        b = prompt_bucket(len(ids))
+        from eagle_jax import engine, generate as gen, kv_cache
+
+        b = gen.prompt_bucket(len(ids))
         if b in self._warm:
             return
-        self.plain(ids, 4)
-        self.speculative(ids, 4)
+        p = engine.prepare([ids], 1, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
+        key, idle = jax.random.key(self.seed), p.limits * 0  # rows with no budget: every loop exits at once
+        cache, first = gen.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling,
+                                   capacity=p.capacity)
+        plain = gen.init_state(cache, first, idle, self.tcfg)
+        spec = engine.prefill(self.tparams, self.dparams, p.tokens, p.lengths, idle, key, tcfg=self.tcfg,
+                              dcfg=self.dcfg, spec=self.spec, capacity=p.capacity)
+        for span in kv_cache.all_spans(p.capacity):
+            plain = gen.decode_span(self.tparams, plain, key, cfg=self.tcfg, sc=self.sampling, span=span)
+            spec = engine.run_span(self.tparams, self.dparams, spec, tcfg=self.tcfg, dcfg=self.dcfg, spec=self.spec,
+                                   span=span)
+        jax.block_until_ready((plain, spec))
         self._warm.add(b)
 
 

@@ -81,6 +81,22 @@ def test_auto_budget_picks_the_fastest_tree(golden_with_template, tmp_path, monk
     assert r["mismatches"] == 0
 
 
+def test_warm_up_compiles_every_span(golden_with_template):
+    """After `Runner.warm`, timed runs of any prompt in the bucket compile nothing, across spans."""
+    from eagle_jax import engine, generate as gen, kv_cache
+    from infer.benchmark import Runner
+
+    runner = Runner(golden_with_template, GOLDEN / "eagle3", (8, 3, 2), 0.0, 200, 30)
+    ids = runner.prompt([{"role": "user", "content": "Tell me about the sea."}])
+    assert len(kv_cache.all_spans(runner.capacity_for(len(ids)))) >= 2
+    runner.warm(ids)
+    programs = (gen.prefill, gen.decode_span, engine.prefill, engine.run_span)
+    before = [f._cache_size() for f in programs]
+    for prompt in (ids, ids[:-2]):
+        assert runner.plain(prompt)["tokens"] == runner.speculative(prompt)["tokens"]
+    assert [f._cache_size() for f in programs] == before
+
+
 def test_read_questions_errors(tmp_path):
     from eagle_jax.errors import EagleError
     from infer.benchmark import read_questions

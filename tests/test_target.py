@@ -143,6 +143,9 @@ def test_attention_span_equals_whole_cache(model, reference):
 def test_attention_span_schedule():
     assert [kv_cache.attention_span(n, 1000) for n in (1, 128, 129, 300, 600)] == [128, 128, 256, 512, 1000]
     assert kv_cache.attention_span(5, 64) == 64
+    for capacity in (1, 64, 128, 129, 384, 1000):
+        assert kv_cache.all_spans(capacity) == sorted({kv_cache.attention_span(n, capacity)
+                                                       for n in range(1, capacity + 1)})
 
 
 def test_uncommitted_entries_are_overwritten(model, reference):
