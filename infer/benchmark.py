@@ -37,9 +37,10 @@ import numpy as np
 
 from infer.generate import DEMO_DRAFT, DEMO_TARGET, DEMO_TREE
 
-# (total_tokens, depth, top_k): budgets 8..64, each as a deep narrow tree and a shallower wide one
-AUTO_CANDIDATES = ((8, 5, 2), (8, 3, 4), (12, 5, 3), (16, 6, 2), (16, 5, 4), (24, 7, 2), (24, 6, 3), (32, 7, 4),
-                   (48, 7, 8), (64, 7, 10))
+# (total_tokens, depth, top_k): chains of 3-7 drafts (top-k 1, depth + 1 levels: what an accurate head wants
+# where verifying is not free), deep narrow trees of 8-24 nodes, and wide ones up to upstream's 60 / 7 / 10
+AUTO_CANDIDATES = ((4, 2, 1), (5, 3, 1), (6, 4, 1), (8, 6, 1), (8, 5, 2), (12, 5, 2), (16, 6, 2), (24, 7, 2),
+                   (32, 7, 4), (60, 7, 10))
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:

@@ -44,7 +44,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 REPO = Path(__file__).resolve().parent.parent
 DEMO_TARGET = REPO / "demo" / "target"
 DEMO_DRAFT = REPO / "demo" / "eagle3"
-DEMO_TREE = DynamicTree(total_tokens=8, depth=5, top_k=2)  # `infer.benchmark --auto-budget`'s pick on a 2-core CPU
+DEMO_TREE = DynamicTree(total_tokens=5, depth=3, top_k=1)  # `infer.benchmark --auto-budget`'s pick on a 2-core CPU: a 4-token chain
 DEMO_PROMPT = "What are some tips for writing a good resume?"
 CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns do not recompile)
 
