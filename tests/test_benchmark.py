@@ -115,6 +115,7 @@ def test_demo_pair_lossless():
     from eagle_jax.generate import generate
     from eagle_jax.hf_io import load_target
     from eagle_jax.tree import DynamicTree
+    from infer.generate import DEMO_TREE
     from transformers import AutoTokenizer
 
     tcfg, tparams = load_target(DEMO / "target")
@@ -124,8 +125,8 @@ def test_demo_pair_lossless():
     text = tok.apply_chat_template([{"role": "user", "content": "How do I make a cup of tea?"}],
                                    tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    plain = generate(tparams, tcfg, [ids], 32)
-    spec = engine.generate(tparams, tcfg, dparams, dcfg, [ids], 32,
-                           engine.SpecConfig(tree=DynamicTree(total_tokens=16, depth=4, top_k=4)))
-    assert spec.tokens[0] == plain.tokens[0]
-    assert spec.tau > 1.0  # the trained head gets some tokens accepted
+    plain = generate(tparams, tcfg, [ids], 64)
+    for tree in (DEMO_TREE, DynamicTree(total_tokens=16, depth=4, top_k=4)):  # the demo's chain, a tree
+        spec = engine.generate(tparams, tcfg, dparams, dcfg, [ids], 64, engine.SpecConfig(tree=tree))
+        assert spec.tokens[0] == plain.tokens[0]
+        assert spec.tau > 2.0  # the trained head gets most drafts accepted

@@ -82,8 +82,7 @@ def _plain(tparams, tcfg, prompts, n):
 
 
 ENVELOPES = [DynamicTree(60, 7, 10), DynamicTree(16, 4, 4), DynamicTree(8, 2, 3), DynamicTree(2, 1, 1),
-             DynamicTree(5, 4, 1), DynamicTree(30, 5, 6), StaticTree(),
-             StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))]
+             DynamicTree(30, 5, 6), StaticTree(), StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))]
 
 
 def _lossless_cases():
