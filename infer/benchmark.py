@@ -8,9 +8,9 @@ Questions are upstream's format (one JSON object a line: question_id, category, 
 multi-turn question is answered turn by turn: each turn's prompt is the chat history (earlier user
 turns and the plain decoder's answers) rendered with the tokenizer's chat template. Every turn is
 generated twice in the same process, speculatively (engine) and plainly (eagle_jax.generate), in
-alternating order, after a warm-up that compiles each prompt bucket outside the timings. Both use
-the same cache capacity, sized per turn as infer.generate does (prompt bucket + budget + one tree).
-Times include prefill.
+alternating order, after a warm-up that compiles each prompt bucket (prefill and every attention
+span of its cache) outside the timings. Both use the same cache capacity, sized per turn as
+infer.generate does (prompt bucket + budget + one tree). Times include prefill.
 
 Reported per file, per category and overall: tau (tokens per cycle), tokens/s both ways, speedup,
 c = (speculative cycle time) / (plain decode step time, i.e. one target forward over one token) - 1,
@@ -18,10 +18,11 @@ measured in this run, n-alpha per depth (acceptance rate at depth n given depth 
 and mismatches (greedy: questions whose speculative output differs from the plain one).
 Writes JSON (--json, default runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
 
---auto-budget times speculative cycles of ten tree envelopes (total_tokens 8..64, deep and narrow or
-shallow and wide) on the machine at hand, on calibration questions from the ends of the files, and
-uses the envelope with the highest measured tokens/s (tau / cycle time; median of three interleaved
-rounds); it also reports the target forward over that many tokens against one token.
+--auto-budget times speculative cycles of ten tree envelopes (chains of 3-7 drafts, deep narrow trees
+of 8-24 nodes, wide ones up to 60 / 7 / 10) on the machine at hand, on calibration questions from
+the ends of the files, and uses the envelope with the highest measured tokens/s (tau / cycle time;
+median of three interleaved rounds); it also reports the target forward over that many tokens
+against one token.
 """
 
 from __future__ import annotations
