@@ -39,20 +39,18 @@ CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 SPAN_UNIT = 128
 
 
-def attention_span(needed: int, capacity: int) -> int:
-    """Slots a decode segment attends over: the smallest SPAN_UNIT * 2^k >= needed, at most `capacity`."""
-    span = SPAN_UNIT
-    while span < needed:
-        span *= 2
-    return min(span, capacity)
-
-
 def all_spans(capacity: int) -> list[int]:
-    """Every span `attention_span` can choose for a cache of `capacity` slots (what a warm-up compiles)."""
+    """The spans a cache of `capacity` slots is attended over: SPAN_UNIT * 2^k below it, then the
+    capacity (what a warm-up compiles)."""
     spans = [SPAN_UNIT]
     while spans[-1] < capacity:
         spans.append(2 * spans[-1])
     return [min(s, capacity) for s in spans]
+
+
+def attention_span(needed: int, capacity: int) -> int:
+    """Slots a decode segment attends over: the smallest of `all_spans` >= needed (else the capacity)."""
+    return next((s for s in all_spans(capacity) if s >= needed), capacity)
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:

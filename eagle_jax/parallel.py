@@ -156,6 +156,7 @@ def plain_programs(tcfg: TargetConfig, sampling: SamplingConfig, capacity: int, 
     rows, replicated = dsh.counts, dsh.step
     prefill = jax.jit(functools.partial(plain.prefill, cfg=tcfg, sc=sampling, capacity=capacity),
                       in_shardings=(tsh, rows, rows, replicated), out_shardings=(dsh.cache, rows))
+
     def decode(params, cache, first, limits, key):
         return plain.decode_loop(params, plain.init_state(cache, first, limits, tcfg), key, tcfg, sampling)
 
