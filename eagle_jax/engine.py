@@ -33,7 +33,8 @@ import numpy as np
 from eagle_jax import draft, kv_cache, target, tree as trees
 from eagle_jax.config import TargetConfig
 from eagle_jax.draft import DraftConfig
-from eagle_jax.generate import PAD_ID, default_capacity, is_eos, prepare_prompts, prompt_bucket, run_segments
+from eagle_jax.generate import (PAD_ID, default_capacity, is_eos, live_span, prepare_prompts, prompt_bucket,
+                                run_segments)
 from eagle_jax.kv_cache import KVCache
 from eagle_jax.sampling import SamplingConfig, sample
 from eagle_jax.tree import Tree, TreeConfig
@@ -324,7 +325,7 @@ def stream(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: lis
     state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity)
     before, needed, done = jax.device_get((state.counts, slots_needed(state, spec), state.done))
     while not done.all():
-        span = kv_cache.attention_span(int(needed[~done].max()), state.target_cache.capacity)
+        span = live_span(needed, done, state.target_cache.capacity)
         state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec, span=span)
         counts, out, needed, done = jax.device_get((state.counts, state.out, slots_needed(state, spec), state.done))
         yield [out[r, before[r]:counts[r]].tolist() for r in range(len(counts))], tr, state

@@ -5,9 +5,9 @@ powers of two, capped by the cache capacity) and the default capacity is rounded
 prompt length in a known bucket compiles nothing. The decode loop is a `lax.while_loop` over
 one-token steps with the state donated: no host round trip per token. It runs in segments whose
 attention spans the smallest power-of-two multiple of 128 cache slots holding every live row, so a
-step's cost follows the context length rather than the capacity (`run_segments`). Rows stop independently on an
-eos id (kept in the output) or on their token budget; the loop ends when every row is done.
-Compiled functions are cached per (config, sampling config, batch size, bucket, capacity).
+step's cost follows the context length rather than the capacity (`run_segments`). Rows stop
+independently on an eos id (kept in the output) or on their token budget; the loop ends when every
+row is done. Compiled functions are cached per (config, sampling config, batch size, bucket, capacity).
 """
 
 from __future__ import annotations
@@ -102,6 +102,11 @@ def init_state(cache: KVCache, first: jax.Array, limits: jax.Array, cfg: TargetC
     return DecodeState(jnp.int32(1), first, eos | (counts >= limits), eos, counts, limits, out, cache)
 
 
+def live_span(needed: np.ndarray, done: np.ndarray, capacity: int) -> int:
+    """The attention span for the running rows (done [B] False) needing `needed` [B] cache slots."""
+    return kv_cache.attention_span(int(needed[~done].max()), capacity)
+
+
 def run_segments(segment: Callable[[State, int], State], state: State, slots_needed: Callable[[State], jax.Array],
                  capacity: int) -> State:
     """Drive a decode loop that also stops when a running row outgrows its attention span: run
@@ -114,7 +119,7 @@ def run_segments(segment: Callable[[State, int], State], state: State, slots_nee
             return state
         if span == capacity:
             raise EagleError(f"a decode loop stopped with rows running and a full-capacity span ({capacity})")
-        span = kv_cache.attention_span(int(needed[~done].max()), capacity)
+        span = live_span(needed, done, capacity)
         state = segment(state, span)
 
 
