@@ -20,9 +20,10 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import cli, store
-from eagle_jax.draft import tensors_from_params
+from cli import command
 from eagle_jax.errors import EagleError
+from eagle_jax.io import store
+from eagle_jax.models.draft import tensors_from_params
 
 
 def _torch_tensor(x: np.ndarray):
@@ -58,7 +59,7 @@ def export(store_dir: str | Path, out: str | Path, dtype=None, overwrite: bool =
     try:
         import torch
     except ImportError:
-        cli.warn("torch is not installed: pytorch_model.bin skipped (model.safetensors holds the same tensors)")
+        command.warn("torch is not installed: pytorch_model.bin skipped (model.safetensors holds the same tensors)")
     else:
         torch.save({k: _torch_tensor(v) for k, v in tensors.items()}, tmp / "pytorch_model.bin")
     if out.exists():
@@ -68,19 +69,19 @@ def export(store_dir: str | Path, out: str | Path, dtype=None, overwrite: bool =
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = cli.ArgumentParser(prog="python -m convert.orbax_to_torch", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m convert.orbax_to_torch", description=__doc__.split("\n\n")[0])
     p.add_argument("--draft", required=True, help="store directory holding a draft head")
     p.add_argument("--out", required=True, help="official head directory to write")
-    p.add_argument("--dtype", choices=tuple(cli.DTYPES), help="cast floating weights (default: the stored dtype)")
+    p.add_argument("--dtype", choices=tuple(command.DTYPES), help="cast floating weights (default: the stored dtype)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     a = p.parse_args(argv)
-    files = export(a.draft, a.out, cli.parse_dtype(a.dtype), a.overwrite)
+    files = export(a.draft, a.out, command.parse_dtype(a.dtype), a.overwrite)
     print(f"wrote {', '.join(files)} to {Path(a.out).absolute()}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(_main, argv)
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,12 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import cli, draft, hf_io, store
-from eagle_jax.config import load_target_config, read_json
-from eagle_jax.draft import KINDS
+from cli import command
 from eagle_jax.errors import EagleError
+from eagle_jax.io import hf, store
+from eagle_jax.models import draft
+from eagle_jax.models.config import load_target_config, read_json
+from eagle_jax.models.draft import KINDS
 
 VERIFY_TOKENS = 16
 
@@ -37,7 +39,7 @@ def convert(target_dir: str | Path, draft_dir: str | Path | None, out: str | Pat
     if draft_dir is not None:
         dcfg, dparams = draft.load_draft(draft_dir, tcfg, kind, dtype)
         draft_part = store.DraftPart(read_json(Path(draft_dir) / "config.json"), dcfg.kind, dparams)
-    _, tparams = hf_io.load_target(target_dir, dtype, progress=progress)
+    _, tparams = hf.load_target(target_dir, dtype, progress=progress)
     gen_path = target_dir / "generation_config.json"
     target_part = store.TargetPart(read_json(target_dir / "config.json"), tparams,
                                    read_json(gen_path) if gen_path.is_file() else None)
@@ -145,7 +147,7 @@ def verify(store_dir: str | Path, target_dir: str | Path, draft_dir: str | Path 
         from transformers import AutoModelForCausalLM
     except ImportError:
         raise EagleError("--verify needs torch: pip install 'eagle-jax[torch]'") from None
-    from eagle_jax import target
+    from eagle_jax.models import target
 
     m = store.read_manifest(store_dir)
     tcfg, tparams = store.load_target_store(store_dir, dtype=np.float32)
@@ -165,7 +167,7 @@ def verify(store_dir: str | Path, target_dir: str | Path, draft_dir: str | Path 
     dcfg, dparams = store.load_draft_store(store_dir, tcfg, dtype=np.float32)
     layers = [ref.hidden_states[i] for i in tcfg.eagle3_layers] if dcfg.kind == "eagle3" else [ref.hidden_states[-1]]
     features = torch.cat(layers, dim=-1)[0].float()
-    tensors = {k: _rounded(v, np.dtype(m.draft_dtype)) for k, v in hf_io.read_tensors(draft_dir).items()}
+    tensors = {k: _rounded(v, np.dtype(m.draft_dtype)) for k, v in hf.read_tensors(draft_dir).items()}
     embed = torch.from_numpy(np.asarray(tparams["embed"]))
     lm_head = torch.from_numpy(np.asarray(target.output_head(tparams, tcfg)).T.copy())
     with torch.no_grad():
@@ -184,16 +186,16 @@ def verify(store_dir: str | Path, target_dir: str | Path, draft_dir: str | Path 
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = cli.ArgumentParser(prog="python -m convert.torch_to_orbax", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m convert.torch_to_orbax", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="Hugging Face target directory (config.json, weights, tokenizer)")
     p.add_argument("--draft", help="official EAGLE-1/EAGLE-3 head directory (config.json + safetensors or .bin)")
     p.add_argument("--out", required=True, help="store directory to write")
-    p.add_argument("--dtype", choices=tuple(cli.DTYPES), help="cast floating weights (default: keep the files' dtype)")
+    p.add_argument("--dtype", choices=tuple(command.DTYPES), help="cast floating weights (default: keep the files' dtype)")
     p.add_argument("--draft-kind", choices=KINDS, help="assert the head kind (default: detected from its keys)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--verify", action="store_true", help="compare one torch and one JAX forward of each model")
     a = p.parse_args(argv)
-    out = convert(a.target, a.draft, a.out, cli.parse_dtype(a.dtype), a.draft_kind, a.overwrite)
+    out = convert(a.target, a.draft, a.out, command.parse_dtype(a.dtype), a.draft_kind, a.overwrite)
     m = store.read_manifest(out)
     print(f"wrote {out}: target {m.target_dtype}" + (f", {m.draft_kind} head {m.draft_dtype}" if m.draft_kind else ""))
     if a.verify:
@@ -203,7 +205,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(_main, argv)
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":

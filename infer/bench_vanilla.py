@@ -20,12 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from eagle_jax import generate as gen
-from eagle_jax import target
-from eagle_jax.config import RopeConfig, TargetConfig
+from eagle_jax.decoding import plain as gen
+from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
-from eagle_jax.sampling import SamplingConfig
-from eagle_jax.spec import init_params, param_count, with_dtype
+from eagle_jax.models import target
+from eagle_jax.models.config import RopeConfig, TargetConfig
+from eagle_jax.models.params import init_params, param_count, with_dtype
 
 BENCH_CONFIG = TargetConfig(
     family="llama", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,

@@ -74,11 +74,11 @@ class Runner:
 
     def __init__(self, target_dir, draft_dir, tree, temperature: float, max_new_tokens: int,
                  max_prompt_tokens: int, chat_template: str | None = None, seed: int = 0):
-        from eagle_jax import engine
-        from eagle_jax.data import load_tokenizer
-        from eagle_jax.draft import load_draft
-        from eagle_jax.hf_io import load_target
-        from eagle_jax.sampling import SamplingConfig
+        from eagle_jax.decoding import speculative
+        from eagle_jax.decoding.sampling import SamplingConfig
+        from eagle_jax.io.hf import load_target
+        from eagle_jax.models.draft import load_draft
+        from eagle_jax.training.data import load_tokenizer
 
         # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
         self.tcfg, self.tparams = load_target(target_dir, dtype=np.float32)
@@ -92,12 +92,12 @@ class Runner:
         self._warm: set = set()
 
     def set_tree(self, tree) -> None:
-        from eagle_jax import engine
-        from eagle_jax.tree import DynamicTree
+        from eagle_jax.decoding import speculative
+        from eagle_jax.decoding.tree import DynamicTree
 
         total, depth, top_k = tree
         self.tree = DynamicTree(total_tokens=total, depth=depth, top_k=top_k)
-        self.spec = engine.SpecConfig(tree=self.tree, sampling=self.sampling)
+        self.spec = speculative.SpecConfig(tree=self.tree, sampling=self.sampling)
         self.capacity = self.capacity_for(self.max_prompt_tokens)  # the largest any turn gets
         self._warm = set()
 
@@ -112,7 +112,7 @@ class Runner:
 
     def capacity_for(self, prompt_len: int) -> int:
         """A turn's cache capacity, as infer.generate sizes it: its prompt bucket + the budget + one tree."""
-        from eagle_jax.generate import default_capacity, prompt_bucket
+        from eagle_jax.decoding.plain import default_capacity, prompt_bucket
 
         return default_capacity(prompt_bucket(prompt_len), self.max_new_tokens + self.spec.cache_overhead)
 
@@ -120,7 +120,7 @@ class Runner:
     def plain(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
         import jax
 
-        from eagle_jax import generate as gen
+        from eagle_jax.decoding import plain as gen
 
         n = max_new_tokens or self.max_new_tokens
         tokens, lengths, limits, capacity = gen.prepare_prompts([ids], n, self.capacity_for(len(ids)),
@@ -141,19 +141,19 @@ class Runner:
     def speculative(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
         import jax
 
-        from eagle_jax import engine
+        from eagle_jax.decoding import speculative
 
         n = max_new_tokens or self.max_new_tokens
-        p = engine.prepare([ids], n, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
+        p = speculative.prepare([ids], n, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
         t0 = time.perf_counter()
-        state = jax.block_until_ready(engine.prefill(
+        state = jax.block_until_ready(speculative.prefill(
             self.tparams, self.dparams, p.tokens, p.lengths, p.limits, jax.random.key(self.seed),
             tcfg=self.tcfg, dcfg=self.dcfg, spec=self.spec, capacity=p.capacity))
         t1 = time.perf_counter()
-        state = jax.block_until_ready(engine.run(self.tparams, self.dparams, state, tcfg=self.tcfg,
+        state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, tcfg=self.tcfg,
                                                  dcfg=self.dcfg, spec=self.spec))
         t2 = time.perf_counter()
-        res = engine.result(state)
+        res = speculative.result(state)
         return {"tokens": res.tokens[0], "accept_lengths": res.accept_lengths[0], "prefill_s": t1 - t0,
                 "decode_s": t2 - t1, "seconds": t2 - t0, "cycles": len(res.accept_lengths[0])}
 
@@ -161,21 +161,23 @@ class Runner:
         """Compile the prompt's bucket for both decoders, prefill and every attention span (untimed)."""
         import jax
 
-        from eagle_jax import engine, generate as gen, kv_cache
+        from eagle_jax.decoding import plain as gen
+        from eagle_jax.decoding import speculative
+        from eagle_jax.models import kv_cache
 
         b = gen.prompt_bucket(len(ids))
         if b in self._warm:
             return
-        p = engine.prepare([ids], 1, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
+        p = speculative.prepare([ids], 1, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
         key, idle = jax.random.key(self.seed), p.limits * 0  # rows with no budget: every loop exits at once
         cache, first = gen.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling,
                                    capacity=p.capacity)
         plain = gen.init_state(cache, first, idle, self.tcfg)
-        spec = engine.prefill(self.tparams, self.dparams, p.tokens, p.lengths, idle, key, tcfg=self.tcfg,
+        spec = speculative.prefill(self.tparams, self.dparams, p.tokens, p.lengths, idle, key, tcfg=self.tcfg,
                               dcfg=self.dcfg, spec=self.spec, capacity=p.capacity)
         for span in kv_cache.all_spans(p.capacity):
             plain = gen.decode_span(self.tparams, plain, key, cfg=self.tcfg, sc=self.sampling, span=span)
-            spec = engine.run_span(self.tparams, self.dparams, spec, tcfg=self.tcfg, dcfg=self.dcfg, spec=self.spec,
+            spec = speculative.run_span(self.tparams, self.dparams, spec, tcfg=self.tcfg, dcfg=self.dcfg, spec=self.spec,
                                    span=span)
         jax.block_until_ready((plain, spec))
         self._warm.add(b)
@@ -231,8 +233,9 @@ def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
     import jax
     import jax.numpy as jnp
 
-    from eagle_jax import kv_cache, target as target_model
-    from eagle_jax.sampling import argmax
+    from eagle_jax.decoding.sampling import argmax
+    from eagle_jax.models import kv_cache
+    from eagle_jax.models import target as target_model
 
     ctx = min(256, runner.capacity // 2)
     cache = kv_cache.set_lengths(target_model.init_cache(runner.tcfg, 1, runner.capacity), jnp.full((1,), ctx, jnp.int32))

@@ -30,15 +30,17 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from eagle_jax import cli, draft, engine, hf_io, presets, store, target
-from eagle_jax import generate as plain
-from eagle_jax.config import TargetConfig
-from eagle_jax.draft import KINDS, DraftConfig
-from eagle_jax.engine import SpecConfig, SpecResult
+from cli import command, presets
+from eagle_jax.decoding import plain, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.speculative import SpecConfig, SpecResult
+from eagle_jax.decoding.tree import DynamicTree, StaticTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
-from eagle_jax.sampling import SamplingConfig
-from eagle_jax.sharding import make_mesh, parse_mesh, shard_params
-from eagle_jax.tree import DynamicTree, StaticTree, TreeConfig, parse_static
+from eagle_jax.io import hf, store
+from eagle_jax.models import draft, target
+from eagle_jax.models.config import TargetConfig
+from eagle_jax.models.draft import KINDS, DraftConfig
+from eagle_jax.parallel.sharding import make_mesh, parse_mesh, shard_params
 
 DEFAULT_MAX_NEW_TOKENS = 256
 REPO = Path(__file__).resolve().parent.parent
@@ -147,7 +149,7 @@ def load_models(target_dir: Path, draft_dir: Path | None, kind: str | None, dtyp
     if store.is_store(target_dir):
         tcfg, tparams = store.load_target_store(target_dir, dtype, mesh)
     else:
-        tcfg, tparams = hf_io.load_target(target_dir, dtype)
+        tcfg, tparams = hf.load_target(target_dir, dtype)
     if mesh is None or not store.is_store(target_dir):
         tparams = _on_devices(tparams, target.param_specs(tcfg), mesh)
     if draft_dir is None:
@@ -225,7 +227,7 @@ def plan_capacity(longest: int, max_new: int, overhead: int, max_len: int | None
             f"a draft tree leave {usable}; raise --max-len or shorten the prompt"
         )
     if longest + max_new > usable:
-        cli.warn(f"--max-new-tokens {max_new} clamped to {usable - longest}: the cache holds {capacity} tokens "
+        command.warn(f"--max-new-tokens {max_new} clamped to {usable - longest}: the cache holds {capacity} tokens "
                  f"({source}); raise --max-len to generate more")
         max_new = usable - longest
     return capacity, max_new
@@ -244,11 +246,11 @@ def run_generation(m: Models, prompts: list[list[int]], s: Settings, on_new: Cal
         on_new(res.tokens)
         result = SpecResult(res.tokens, [[0] * len(t) for t in res.tokens], res.stop_reasons)
     elif s.stream:
-        for new, _, state in engine.stream(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity):
+        for new, _, state in speculative.stream(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity):
             on_new(new)
-        result = engine.result(state)
+        result = speculative.result(state)
     else:
-        result = engine.generate(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity)
+        result = speculative.generate(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity)
         on_new(result.tokens)
     return Outcome(result, [len(p) for p in prompts], max_new, capacity, time.perf_counter() - t0)
 
@@ -361,7 +363,7 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
             del history[first:first + 2]
             ids = encode(tok, history, use_template)
         if len(ids) + overhead >= capacity:
-            cli.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
+            command.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
             history.pop()
             continue
         outcome = generate_timed(m, [ids], s, TextStream(tok), capacity)
@@ -374,14 +376,14 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = cli.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("models")
     src.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
     src.add_argument("--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)")
     src.add_argument("--target", help="store directory, or Hugging Face model directory")
     src.add_argument("--draft", help="store directory, or official EAGLE head directory (default: the target store's head)")
     src.add_argument("--draft-kind", choices=KINDS, help="assert the head kind (default: detected)")
-    src.add_argument("--dtype", choices=tuple(cli.DTYPES), help="weights dtype (default: preset, else as stored)")
+    src.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     src.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (default: preset, else one device)")
     inp = p.add_argument_group("input")
     inp.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
@@ -434,7 +436,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if given and ids is None and texts is None:
             raise EagleError(f"{flag} needs a prompt (--prompt, --prompt-file or --prompt-ids)")
     target_dir, draft_dir = resolve_dirs(a, preset)
-    dtype = cli.parse_dtype(a.dtype or (preset.dtype if preset else None))
+    dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else None))
     mesh = make_mesh(mesh_text) if mesh_text else None
     m = load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh)
 
@@ -498,7 +500,7 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(_main, argv)
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":

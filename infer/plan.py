@@ -41,12 +41,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from eagle_jax import cli, draft, parallel, presets, sharding, store, target, ttt
-from eagle_jax.config import TargetConfig, load_target_config, read_json, target_config_from_hf
-from eagle_jax.draft import DraftConfig, draft_config_from_hf
-from eagle_jax.engine import SpecConfig
+from cli import command, presets
+from eagle_jax.decoding import programs
+from eagle_jax.decoding.speculative import SpecConfig
 from eagle_jax.errors import EagleError
-from eagle_jax.spec import is_spec, with_dtype
+from eagle_jax.io import store
+from eagle_jax.models import draft, target
+from eagle_jax.models.config import TargetConfig, load_target_config, read_json, target_config_from_hf
+from eagle_jax.models.draft import DraftConfig, draft_config_from_hf
+from eagle_jax.models.params import is_spec, with_dtype
+from eagle_jax.parallel import sharding
+from eagle_jax.training import objective
 
 PyTree = Any
 GiB = 2**30
@@ -242,13 +247,13 @@ def compile_program(name: str, mesh: Mesh, fn: Any, *args: Any) -> Program:
 def plan_inference(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, max_len: int, dtype: Any,
                    tree: Any = None, prompt_len: int | None = None) -> Plan:
     """Compile the sharded prefill (prompt [batch, prompt_len], default max_len) and generation loop."""
-    parallel.check_mesh(mesh, tcfg, dcfg, batch)
+    programs.check_mesh(mesh, tcfg, dcfg, batch)
     spec = SpecConfig(tree) if tree is not None else SpecConfig()
     prompt_len = prompt_len or max_len
     if not spec.cache_overhead < max_len or not 0 < prompt_len <= max_len:
         raise EagleError(f"--max-len {max_len} must exceed one cycle's {spec.cache_overhead} slots and hold the "
                          f"{prompt_len}-token prompt")
-    progs = parallel.spec_programs(tcfg, dcfg, spec, max_len, mesh)
+    progs = programs.spec_programs(tcfg, dcfg, spec, max_len, mesh)
     tparams = abstract(with_dtype(target.param_specs(tcfg), dtype), progs.target)
     dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), progs.draft)
     rows = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=progs.rows)  # noqa: E731
@@ -263,13 +268,13 @@ def plan_inference(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int
         ("draft KV cache", device_bytes(state.draft_cache)),
         ("other loop state", device_bytes(state) - device_bytes(caches)),
     )
-    programs = (
+    compiled = (
         compile_program(f"prefill ({prompt_len}-token prompts)", mesh, progs.prefill, tparams, dparams, *inputs),
         compile_program("generation loop (cycles)", mesh, progs.run, tparams, dparams, state),
     )
     title = (f"inference: batch {batch}, max-len {max_len}, {jnp.dtype(dtype).name}, tree {spec.tree}, "
              f"mesh {mesh_text(mesh)}")
-    return Plan(title, mesh.size, compiler_name(mesh), resident, programs)
+    return Plan(title, mesh.size, compiler_name(mesh), resident, compiled)
 
 
 def plan_training(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, seq_len: int, ttt_steps: int = 7,
@@ -277,14 +282,14 @@ def plan_training(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int,
     """Compile the trainer's step (train.eagle3.make_train_step) on [batch, seq_len] token batches."""
     from train import eagle3 as trainer
 
-    parallel.check_mesh(mesh, tcfg, dcfg, batch)
+    programs.check_mesh(mesh, tcfg, dcfg, batch)
     rc = trainer.RunConfig(target="", data=(), out="", batch_size=batch, max_length=seq_len, ttt_steps=ttt_steps,
                            bf16=bf16)
     compute = jnp.bfloat16 if bf16 else jnp.float32
     optimizer = trainer.make_optimizer(rc)
     sh = trainer.make_shardings(tcfg, dcfg, optimizer, mesh, compute)
     step = trainer.make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute)
-    trainable_specs, map_specs = ttt.split_trainable(draft.param_specs(dcfg))
+    trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
     trainable = abstract(trainable_specs, sh.trainable)
     opt_state = abstract(jax.eval_shape(optimizer.init, trainable), sh.opt_state)
     vocab_map = abstract(map_specs, sh.vocab_map)
@@ -347,7 +352,7 @@ def report(name: str, plan: Plan, tpus: Sequence[Tpu] = TPUS) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = cli.ArgumentParser(prog="python -m infer.plan", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m infer.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", "--target", dest="config", required=True,
                    help="preset name or .json (configs/), store, or Hugging Face model directory")
     p.add_argument("--mesh", default=None, help="e.g. tensor=8 or data=2,tensor=4 (default: tensor over all devices; "
@@ -358,7 +363,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None, help="virtual devices (default: the mesh's size, else 8)")
     p.add_argument("--tpu", choices=[t.name for t in TPUS], default=None,
                    help="compile with the TPU compiler for this slice (needs libtpu; no TPU needed) instead of on CPU")
-    p.add_argument("--dtype", choices=tuple(cli.DTYPES), default=None, help="weights (default: the preset's, else bf16)")
+    p.add_argument("--dtype", choices=tuple(command.DTYPES), default=None, help="weights (default: the preset's, else bf16)")
     p.add_argument("--prompt-len", type=int, default=None, help="prefill prompt length (default: --max-len)")
     p.add_argument("--train", "--plan", dest="train", action="store_true", help="plan a TTT training step instead")
     p.add_argument("--ttt-steps", type=int, default=7)
@@ -393,14 +398,14 @@ def _main(argv: Sequence[str] | None) -> int:
     if a.train:
         plan = plan_training(tcfg, dcfg, mesh, a.batch, a.max_len, a.ttt_steps, bf16=a.bf16 or a.dtype == "bf16")
     else:
-        dtype = cli.parse_dtype(a.dtype or preset_dtype or "bf16")
+        dtype = command.parse_dtype(a.dtype or preset_dtype or "bf16")
         plan = plan_inference(tcfg, dcfg, mesh, a.batch, a.max_len, dtype, tree, a.prompt_len)
     print(report(name, plan, (tpu,) if tpu else TPUS), flush=True)
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(_main, argv)
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":

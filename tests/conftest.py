@@ -25,6 +25,6 @@ def reference():
 
 @pytest.fixture(scope="session")
 def golden_target():
-    from eagle_jax import hf_io
+    from eagle_jax.io import hf
 
-    return hf_io.load_target(GOLDEN / "target")
+    return hf.load_target(GOLDEN / "target")

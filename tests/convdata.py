@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import target
+from eagle_jax.models import target
 
 # Role header tokens t3 (user) / t4 (assistant) / t5 (system), end of turn t6; bos <s>.
 TEMPLATE = (

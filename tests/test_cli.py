@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from cli import presets
 from convert import torch_to_orbax
-from eagle_jax import generate as plain
-from eagle_jax import presets
-from eagle_jax.engine import SpecConfig
+from eagle_jax.decoding import plain
+from eagle_jax.decoding.speculative import SpecConfig
+from eagle_jax.decoding.tree import DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
-from eagle_jax.tree import DynamicTree, StaticTree
 from infer import generate as cli_generate
 
 ROOT = Path(__file__).resolve().parents[1]

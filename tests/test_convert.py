@@ -16,10 +16,13 @@ import torch
 from safetensors.numpy import load_file
 
 from convert import orbax_to_torch, torch_to_orbax
-from eagle_jax import draft, engine, sharding, store, target
-from eagle_jax.engine import SpecConfig
+from eagle_jax.decoding import speculative
+from eagle_jax.decoding.speculative import SpecConfig
+from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
-from eagle_jax.tree import DynamicTree
+from eagle_jax.io import store
+from eagle_jax.models import draft, target
+from eagle_jax.parallel import sharding
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("eagle3", "eagle1")
@@ -123,7 +126,7 @@ def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
 def _streamed(tparams, tcfg, dparams, dcfg, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
     """(tokens, accept lengths) of a streamed generation (the compiles test_engine's parity tests share)."""
     tokens, accepts = [], []
-    for new, _, state in engine.stream(tparams, tcfg, dparams, dcfg, [prompt], n, SpecConfig(DynamicTree(16, 4, 4)),
+    for new, _, state in speculative.stream(tparams, tcfg, dparams, dcfg, [prompt], n, SpecConfig(DynamicTree(16, 4, 4)),
                                        capacity=256):
         tokens += new[0]
         accepts.append(int(state.accept_lengths[len(accepts), 0]))

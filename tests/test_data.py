@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from convdata import TEMPLATE, templated_tokenizer_dir
-from eagle_jax import data
+
 from eagle_jax.errors import EagleError
+from eagle_jax.training import data
 
 
 @pytest.fixture(scope="module")

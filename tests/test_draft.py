@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-
-from eagle_jax import draft, target
-from eagle_jax.errors import EagleError
 from tiny import tiny_target_config
+
+from eagle_jax.errors import EagleError
+from eagle_jax.models import draft, target
 
 TOP_K = {"t60_d7_k10": 10, "t16_d4_k4": 4}
 

@@ -7,12 +7,13 @@ import itertools
 import jax
 import numpy as np
 import pytest
-
-from eagle_jax import draft, engine, generate
-from eagle_jax.engine import SpecConfig
-from eagle_jax.sampling import SamplingConfig
-from eagle_jax.tree import DynamicTree, StaticTree
 from tiny import FAMILIES, tiny_draft, tiny_target, with_eos
+
+from eagle_jax.decoding import plain, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.speculative import SpecConfig
+from eagle_jax.decoding.tree import DynamicTree, StaticTree
+from eagle_jax.models import draft
 
 SETTINGS = {"t60_d7_k10": DynamicTree(60, 7, 10), "t16_d4_k4": DynamicTree(16, 4, 4)}
 
@@ -36,7 +37,7 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
     prompts = [reference[f"p{i}.input_ids"].tolist() for i in range(4)]
     tokens = [[] for _ in prompts]
     acc = [[] for _ in prompts]
-    for c, (new, tr, state) in enumerate(engine.stream(tparams, tcfg, dparams, dcfg, prompts, 64, spec)):
+    for c, (new, tr, state) in enumerate(speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 64, spec)):
         for i in range(4):
             if not new[i]:
                 continue
@@ -66,8 +67,8 @@ def test_while_loop_equals_stream(heads, golden_target, reference):
     dcfg, dparams = heads["eagle3"]
     spec = SpecConfig(SETTINGS["t16_d4_k4"])
     prompt = reference["p2.input_ids"].tolist()
-    res = engine.generate(tparams, tcfg, dparams, dcfg, [prompt], 40, spec)
-    streamed = list(engine.stream(tparams, tcfg, dparams, dcfg, [prompt], 40, spec))
+    res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 40, spec)
+    streamed = list(speculative.stream(tparams, tcfg, dparams, dcfg, [prompt], 40, spec))
     assert res.tokens[0] == [t for new, _, _ in streamed for t in new[0]]
     assert len(res.tokens[0]) == 40
     assert res.cycles == [len(streamed)]
@@ -78,7 +79,7 @@ def test_while_loop_equals_stream(heads, golden_target, reference):
 
 
 def _plain(tparams, tcfg, prompts, n):
-    return generate.generate(tparams, tcfg, prompts, n).tokens
+    return plain.generate(tparams, tcfg, prompts, n).tokens
 
 
 ENVELOPES = [DynamicTree(60, 7, 10), DynamicTree(16, 4, 4), DynamicTree(8, 2, 3), DynamicTree(2, 1, 1),
@@ -102,7 +103,7 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
     dcfg, dparams = tiny_draft(kind, tcfg, seed=seed + 1, draft_vocab=32 if kind == "eagle3" else None)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, 48, size=n).tolist() for n in (9, 3, 1, 17)][:batch]
-    res = engine.generate(tparams, tcfg, dparams, dcfg, prompts, 24, SpecConfig(envelope))
+    res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 24, SpecConfig(envelope))
     assert res.tokens == _plain(tparams, tcfg, prompts, 24)
     assert all(0 <= a <= envelope.max_depth for row in res.accept_lengths for a in row)
     assert sum(a for row in res.accept_lengths for a in row) > 0  # some drafts were accepted
@@ -111,7 +112,7 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
 def test_growing_attention_spans_are_lossless(monkeypatch):
     """300 new tokens for rows of different lengths cross spans 128 -> 256 -> 384: speculative output
     equals plain greedy, streamed or looped, and plain greedy in segments equals one whole-cache loop."""
-    from eagle_jax import kv_cache
+    from eagle_jax.models import kv_cache
 
     spans = []
     schedule = kv_cache.attention_span
@@ -119,21 +120,21 @@ def test_growing_attention_spans_are_lossless(monkeypatch):
     tcfg, tparams = tiny_target("llama", seed=7, vocab=48)
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=8, draft_vocab=32)
     prompts = [[5, 6, 7, 8, 9] * 6, [3, 1]]
-    plain = _plain(tparams, tcfg, prompts, 300)
+    want = _plain(tparams, tcfg, prompts, 300)
     assert sorted(set(spans)) == [128, 256, 384]
     spec = SpecConfig(DynamicTree(8, 4, 2))
-    assert engine.generate(tparams, tcfg, dparams, dcfg, prompts, 300, spec).tokens == plain
+    assert speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 300, spec).tokens == want
     streamed = [[] for _ in prompts]
-    for new, _, _ in engine.stream(tparams, tcfg, dparams, dcfg, prompts, 300, spec):
+    for new, _, _ in speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 300, spec):
         for row, toks in zip(streamed, new):
             row.extend(toks)
-    assert streamed == plain
-    tokens, lengths, limits, capacity = generate.prepare_prompts(prompts, 300, None)
+    assert streamed == want
+    tokens, lengths, limits, capacity = plain.prepare_prompts(prompts, 300, None)
     key = jax.random.key(0)
-    cache, first = generate.prefill(tparams, tokens, lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=capacity)
-    whole = generate.decode_span(tparams, generate.init_state(cache, first, limits, tcfg), key, cfg=tcfg,
+    cache, first = plain.prefill(tparams, tokens, lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=capacity)
+    whole = plain.decode_span(tparams, plain.init_state(cache, first, limits, tcfg), key, cfg=tcfg,
                                  sc=SamplingConfig())
-    assert [np.asarray(whole.out)[r, :300].tolist() for r in range(2)] == plain
+    assert [np.asarray(whole.out)[r, :300].tolist() for r in range(2)] == want
 
 
 def test_eos_and_budget_per_row():
@@ -141,12 +142,11 @@ def test_eos_and_budget_per_row():
     tcfg, tparams = tiny_target("llama", seed=3, vocab=48)
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=4)
     prompts = [[5, 6, 7], [9, 1, 2, 3, 4, 30]]
-    plain = _plain(tparams, tcfg, prompts, 30)
-    eos = plain[0][7]
+    eos = _plain(tparams, tcfg, prompts, 30)[0][7]
     tcfg_eos = with_eos(tcfg, (eos,))
     expected = _plain(tparams, tcfg_eos, prompts, 30)
     assert expected[0][-1] == eos and len(expected[0]) <= 8
-    res = engine.generate(tparams, tcfg_eos, dparams, dcfg, prompts, 30, SpecConfig(DynamicTree(16, 4, 4)))
+    res = speculative.generate(tparams, tcfg_eos, dparams, dcfg, prompts, 30, SpecConfig(DynamicTree(16, 4, 4)))
     assert res.tokens == expected
     assert res.stop_reasons[0] == "eos"
 
@@ -158,8 +158,8 @@ def _joint_counts(tokens: list[list[int]], vocab: int, n: int) -> np.ndarray:
 
 def _exact_joint(tparams, tcfg, prompt, sc: SamplingConfig, n: int) -> np.ndarray:
     """P(first n new tokens) under the processed target distribution, from one forward over all V^(n-1) prefixes."""
-    from eagle_jax import target
-    from eagle_jax.sampling import processed_probs
+    from eagle_jax.decoding.sampling import processed_probs
+    from eagle_jax.models import target
 
     v, p = tcfg.vocab_size, len(prompt)
     prefixes = np.array(list(itertools.product(range(v), repeat=n - 1)), np.int32).reshape(-1, n - 1)  # [V^(n-1), n-1]
@@ -206,7 +206,7 @@ def test_sampling_lossless(sc):
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=12, draft_vocab=6)
     prompt = [1, 4, 2]
     exact = _exact_joint(tparams, tcfg, prompt, sc, n_tok)
-    res = engine.generate(tparams, tcfg, dparams, dcfg, [prompt] * n_rows, n_tok,
+    res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt] * n_rows, n_tok,
                           SpecConfig(DynamicTree(8, 3, 3), sc), seed=5)
     assert sum(a > 0 for row in res.accept_lengths for a in row) > n_rows // 4  # drafts do get accepted
     counts = _joint_counts(res.tokens, vocab, n_tok)
@@ -221,7 +221,7 @@ def test_no_compile_after_warmup(heads, golden_target):
     tcfg, tparams = golden_target
     dcfg, dparams = heads["eagle3"]
     spec = SpecConfig(DynamicTree(16, 4, 4))
-    engine.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3]], 20, spec)
-    before = (engine.prefill._cache_size(), engine.run_span._cache_size())
-    engine.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3, 7, 8, 11]], 40, spec)
-    assert (engine.prefill._cache_size(), engine.run_span._cache_size()) == before
+    speculative.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3]], 20, spec)
+    before = (speculative.prefill._cache_size(), speculative.run_span._cache_size())
+    speculative.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3, 7, 8, 11]], 40, spec)
+    assert (speculative.prefill._cache_size(), speculative.run_span._cache_size()) == before

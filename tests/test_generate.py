@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax import generate as gen
-from eagle_jax import hf_io
+from eagle_jax.decoding import plain as gen
+from eagle_jax.decoding.sampling import SamplingConfig, argmax, processed_probs, sample
 from eagle_jax.errors import EagleError
-from eagle_jax.sampling import SamplingConfig, argmax, processed_probs, sample
+from eagle_jax.io import hf
 
 N_GREEDY = 80
 CAPACITY = 128  # one capacity for all golden tests: fewer distinct compiles
@@ -56,7 +56,7 @@ def hf_gqa(tmp_path_factory):
     model = LlamaForCausalLM(hf_cfg).eval()
     path = tmp_path_factory.mktemp("hf_gqa")
     model.save_pretrained(path)
-    return model, hf_io.load_target(path)
+    return model, hf.load_target(path)
 
 
 def test_random_gqa_greedy_matches_hf(hf_gqa):
@@ -143,7 +143,9 @@ def test_processed_probs_match_numpy(temperature, top_k, top_p):
 def test_processed_probs_match_hf_warpers():
     torch = pytest.importorskip("torch")
     from transformers.generation.logits_process import (
-        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
     )
 
     logits = np.random.default_rng(2).normal(0, 3, (8, 64)).astype(np.float32)

@@ -14,10 +14,11 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from eagle_jax import hf_io, target  # noqa: E402
-from eagle_jax.config import load_target_config, target_config_from_hf  # noqa: E402
 from eagle_jax.errors import EagleError  # noqa: E402
-from eagle_jax.spec import flatten_dict  # noqa: E402
+from eagle_jax.io import hf  # noqa: E402
+from eagle_jax.models import target  # noqa: E402
+from eagle_jax.models.config import load_target_config, target_config_from_hf  # noqa: E402
+from eagle_jax.models.params import flatten_dict  # noqa: E402
 
 SMALL = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -49,7 +50,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_params(llama):
-    return flatten_dict(hf_io.load_target(llama[1])[1])
+    return flatten_dict(hf.load_target(llama[1])[1])
 
 
 def _copy(src, dst):
@@ -77,7 +78,7 @@ def _assert_same(params, reference):
 
 def test_single_safetensors_layout(llama, reference_params):
     model, path = llama
-    assert [p.name for p in hf_io.weight_files(path)] == ["model.safetensors"]
+    assert [p.name for p in hf.weight_files(path)] == ["model.safetensors"]
     flat = reference_params
     sd = model.state_dict()
     np.testing.assert_array_equal(flat["layers.q"][1], sd["model.layers.1.self_attn.q_proj.weight"].numpy().T)
@@ -91,17 +92,17 @@ def test_sharded_safetensors_index(llama, reference_params, tmp_path):
     model.save_pretrained(tmp_path, max_shard_size="40KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert not (tmp_path / "model.safetensors").exists()
-    files = hf_io.weight_files(tmp_path)
+    files = hf.weight_files(tmp_path)
     assert len(files) > 2 and all(f.suffix == ".safetensors" for f in files)
-    _assert_same(hf_io.load_target(tmp_path)[1], reference_params)
+    _assert_same(hf.load_target(tmp_path)[1], reference_params)
 
 
 def test_sharded_index_with_missing_shard(llama, tmp_path):
     model, _ = llama
     model.save_pretrained(tmp_path, max_shard_size="40KB")
-    shard = hf_io.weight_files(tmp_path)[1]
+    shard = hf.weight_files(tmp_path)[1]
     shard.unlink()
-    _raises_one_line(rf"{shard.name}: file not found", hf_io.load_target, tmp_path)
+    _raises_one_line(rf"{shard.name}: file not found", hf.load_target, tmp_path)
 
 
 def _write_bin_dir(llama, path, state=None):
@@ -115,8 +116,8 @@ def _write_bin_dir(llama, path, state=None):
 
 def test_pytorch_model_bin(llama, reference_params, tmp_path):
     path = _write_bin_dir(llama, tmp_path / "bin")
-    assert [p.name for p in hf_io.weight_files(path)] == ["pytorch_model.bin"]
-    _assert_same(hf_io.load_target(path)[1], reference_params)
+    assert [p.name for p in hf.weight_files(path)] == ["pytorch_model.bin"]
+    _assert_same(hf.load_target(path)[1], reference_params)
 
 
 def test_pytorch_model_bin_index(llama, reference_params, tmp_path):
@@ -130,8 +131,8 @@ def test_pytorch_model_bin_index(llama, reference_params, tmp_path):
         torch.save({k: state[k] for k in keys}, tmp_path / shard)
         weight_map.update({k: shard for k in keys})
     (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    assert len(hf_io.weight_files(tmp_path)) == 2
-    _assert_same(hf_io.load_target(tmp_path)[1], reference_params)
+    assert len(hf.weight_files(tmp_path)) == 2
+    _assert_same(hf.load_target(tmp_path)[1], reference_params)
 
 
 @pytest.mark.parametrize("torch_dtype,np_name,fmt", [
@@ -147,7 +148,7 @@ def test_half_precision_weights(llama, reference_params, tmp_path, torch_dtype, 
     else:
         half.save_pretrained(tmp_path)
         path = tmp_path
-    cfg, params = hf_io.load_target(path)
+    cfg, params = hf.load_target(path)
     flat = flatten_dict(params)
     for k, v in flat.items():
         assert v.dtype.name == np_name, (k, v.dtype)
@@ -161,13 +162,13 @@ def test_half_precision_weights(llama, reference_params, tmp_path, torch_dtype, 
         np.testing.assert_allclose(flat[k].astype(np.float32), ref, rtol=rel, atol=1e-6, err_msg=k)
 
     # an explicit dtype casts on load
-    _, as32 = hf_io.load_target(path, dtype=np.float32)
+    _, as32 = hf.load_target(path, dtype=np.float32)
     assert all(v.dtype == np.float32 for v in flatten_dict(as32).values())
 
     # and the half-precision model still computes the fp32 model's logits, roughly
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8)))
     positions = jnp.arange(8)[None]
-    fp32_params = hf_io.load_target(llama[1])[1]
+    fp32_params = hf.load_target(llama[1])[1]
     ref = target.forward(fp32_params, cfg, tokens, positions, target.init_cache(cfg, 1, 8), feature_layers=())
     out = target.forward(jax_tree(params), cfg, tokens, positions,
                          target.init_cache(cfg, 1, 8, jnp.dtype(np_name)), feature_layers=())
@@ -194,14 +195,14 @@ def _edit_safetensors(path, edit):
 def test_missing_tensor(llama, tmp_path):
     path = _copy(llama[1], tmp_path / "m")
     _edit_safetensors(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
-    msg = _raises_one_line(r"missing model\.layers\.1\.mlp\.up_proj\.weight", hf_io.load_target, path)
+    msg = _raises_one_line(r"missing model\.layers\.1\.mlp\.up_proj\.weight", hf.load_target, path)
     assert "unexpected" not in msg and str(path) in msg
 
 
 def test_unexpected_tensor(llama, tmp_path):
     path = _copy(llama[1], tmp_path / "m")
     _edit_safetensors(path, lambda t: t.update({"model.layers.0.self_attn.extra.weight": np.zeros((2, 2), np.float32)}))
-    msg = _raises_one_line(r"unexpected model\.layers\.0\.self_attn\.extra\.weight", hf_io.load_target, path)
+    msg = _raises_one_line(r"unexpected model\.layers\.0\.self_attn\.extra\.weight", hf.load_target, path)
     assert "missing" not in msg
 
 
@@ -209,14 +210,14 @@ def test_unexpected_layer(llama, tmp_path):
     """A checkpoint with more layers than config.json says."""
     path = _copy(llama[1], tmp_path / "m")
     _edit_safetensors(path, lambda t: t.update({"model.layers.2.input_layernorm.weight": np.ones(64, np.float32)}))
-    _raises_one_line(r"unexpected model\.layers\.2\.input_layernorm\.weight", hf_io.load_target, path)
+    _raises_one_line(r"unexpected model\.layers\.2\.input_layernorm\.weight", hf.load_target, path)
 
 
 def test_misshaped_tensor(llama, tmp_path):
     path = _copy(llama[1], tmp_path / "m")
     _edit_safetensors(path, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((48, 64), np.float32)}))
     _raises_one_line(r"mis-shaped model\.layers\.1\.self_attn\.k_proj\.weight \(48, 64\) \(expected \(32, 64\)\)",
-                     hf_io.load_target, path)
+                     hf.load_target, path)
 
 
 def test_config_disagreeing_with_weights(llama, tmp_path):
@@ -226,7 +227,7 @@ def test_config_disagreeing_with_weights(llama, tmp_path):
     cfg["intermediate_size"] = 128
     (path / "config.json").write_text(json.dumps(cfg))
     msg = _raises_one_line(r"mis-shaped model\.layers\.0\.mlp\.down_proj\.weight \(64, 96\) \(expected \(64, 128\)\)",
-                           hf_io.load_target, path)
+                           hf.load_target, path)
     assert "model.layers.1.mlp.up_proj.weight (96, 64) (expected (128, 64))" in msg
 
 
@@ -237,7 +238,7 @@ def test_truncated_safetensors(llama, tmp_path, keep):
     size = f.stat().st_size
     with open(f, "r+b") as fh:
         fh.truncate(max(8, int(size * keep)))
-    _raises_one_line(r"model\.safetensors: cannot read safetensors file .*truncated", hf_io.load_target, path)
+    _raises_one_line(r"model\.safetensors: cannot read safetensors file .*truncated", hf.load_target, path)
 
 
 def test_truncated_bin(llama, tmp_path):
@@ -245,29 +246,29 @@ def test_truncated_bin(llama, tmp_path):
     f = path / "pytorch_model.bin"
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size // 2)
-    _raises_one_line(r"pytorch_model\.bin: cannot read torch checkpoint", hf_io.load_target, path)
+    _raises_one_line(r"pytorch_model\.bin: cannot read torch checkpoint", hf.load_target, path)
 
 
 def test_missing_directory(tmp_path):
-    _raises_one_line(r"nope: directory not found", hf_io.load_target, tmp_path / "nope")
+    _raises_one_line(r"nope: directory not found", hf.load_target, tmp_path / "nope")
 
 
 def test_missing_config(llama, tmp_path):
     path = _copy(llama[1], tmp_path / "m")
     (path / "config.json").unlink()
-    _raises_one_line(r"config\.json: file not found", hf_io.load_target, path)
+    _raises_one_line(r"config\.json: file not found", hf.load_target, path)
 
 
 def test_no_weights(llama, tmp_path):
     path = _copy(llama[1], tmp_path / "m")
     (path / "model.safetensors").unlink()
-    _raises_one_line(r"no weights found", hf_io.load_target, path)
+    _raises_one_line(r"no weights found", hf.load_target, path)
 
 
 def test_bad_config_json(llama, tmp_path):
     path = _copy(llama[1], tmp_path / "m")
     (path / "config.json").write_text("{not json")
-    _raises_one_line(r"config\.json: not valid JSON", hf_io.load_target, path)
+    _raises_one_line(r"config\.json: not valid JSON", hf.load_target, path)
 
 
 # ---------------------------------------------------------------- unsupported configs
@@ -303,7 +304,7 @@ def test_unsupported_config_from_directory(llama, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["hidden_act"] = "gelu"
     (path / "config.json").write_text(json.dumps(cfg))
-    _raises_one_line(r"hidden_act='gelu'", hf_io.load_target, path)
+    _raises_one_line(r"hidden_act='gelu'", hf.load_target, path)
 
 
 def test_supported_rope_fields_are_read():
@@ -328,7 +329,7 @@ def test_mistral_sliding_window_capacity(tmp_path):
     config._attn_implementation = "eager"
     model = transformers.MistralForCausalLM(config).eval()
     model.save_pretrained(tmp_path)
-    cfg, params = hf_io.load_target(tmp_path)
+    cfg, params = hf.load_target(tmp_path)
     assert cfg.sliding_window == window
 
     target.check_capacity(cfg, window)  # exact up to the window

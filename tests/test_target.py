@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax import kv_cache, target
 from eagle_jax.errors import EagleError
+from eagle_jax.models import kv_cache, target
 
 TOL = 1e-4
 N_PROMPTS = 4

@@ -2,7 +2,7 @@
 
 Each case builds a tiny random HF model (fp32, fixed torch seed), perturbs every norm weight and bias
 away from its 1/0 initialisation (so a dropped norm or bias shows up), saves it with `save_pretrained`
-(safetensors), loads it with `hf_io.load_target` and compares
+(safetensors), loads it with `hf.load_target` and compares
 
 - the logits: max |ours - HF| <= 1e-4 * max |HF|,
 - the final normed hidden state: HF `output_hidden_states[-1]`, which in transformers is the output of
@@ -29,10 +29,11 @@ transformers = pytest.importorskip("transformers")
 
 import jax.numpy as jnp  # noqa: E402
 
-from eagle_jax import hf_io, target  # noqa: E402
-from eagle_jax.config import load_target_config  # noqa: E402
 from eagle_jax.errors import EagleError  # noqa: E402
-from eagle_jax.spec import flatten_dict  # noqa: E402
+from eagle_jax.io import hf  # noqa: E402
+from eagle_jax.models import target  # noqa: E402
+from eagle_jax.models.config import load_target_config  # noqa: E402
+from eagle_jax.models.params import flatten_dict  # noqa: E402
 
 BASE = dict(
     vocab_size=160,
@@ -156,7 +157,7 @@ def saved(tmp_path_factory):
 def test_logits_hidden_features_match_transformers(name, saved):
     model, path = saved(name)
     _, _, _, seq_len, feature_layers = CASES[name]
-    cfg, params = hf_io.load_target(path)
+    cfg, params = hf.load_target(path)
     assert cfg.num_layers == model.config.num_hidden_layers
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, seq_len))
     ref_logits, ref_hidden = hf_outputs(model, tokens)
@@ -209,10 +210,10 @@ def test_mixtral_both_expert_layouts(saved, tmp_path):
     from safetensors.numpy import save_file
 
     model, path = saved("mixtral")
-    on_disk = set(hf_io.read_tensors(path))
+    on_disk = set(hf.read_tensors(path))
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in on_disk
     assert "model.layers.0.block_sparse_moe.gate.weight" in on_disk
-    cfg, per_expert = hf_io.load_target(path)
+    cfg, per_expert = hf.load_target(path)
 
     state = _mixtral_state(model)
     assert "model.layers.0.mlp.experts.gate_up_proj" in state
@@ -220,7 +221,7 @@ def test_mixtral_both_expert_layouts(saved, tmp_path):
     fused_dir.mkdir()
     (fused_dir / "config.json").write_text((path / "config.json").read_text())
     save_file(state, str(fused_dir / "model.safetensors"))
-    cfg2, fused = hf_io.load_target(fused_dir)
+    cfg2, fused = hf.load_target(fused_dir)
     assert cfg2 == cfg
     flat_a, flat_b = flatten_dict(per_expert), flatten_dict(fused)
     assert flat_a.keys() == flat_b.keys()
@@ -231,4 +232,4 @@ def test_mixtral_both_expert_layouts(saved, tmp_path):
     del state["model.layers.1.mlp.experts.down_proj"]
     save_file(state, str(fused_dir / "model.safetensors"))
     with pytest.raises(EagleError, match=r"missing model\.layers\.1\.mlp\.experts\.down_proj"):
-        hf_io.load_target(fused_dir)
+        hf.load_target(fused_dir)

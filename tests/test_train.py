@@ -12,10 +12,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
 from safetensors.numpy import load_file
 
-from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
-from eagle_jax import data, draft, generate, spec, store, ttt
+from eagle_jax.decoding import plain
+from eagle_jax.io import store
+from eagle_jax.models import draft, params
+from eagle_jax.training import data, objective
 from train import eagle3, regenerate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +73,7 @@ def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdi
     # observed: loss 5.0 -> 3.6, acc_0 0.03 -> 0.33 (averages of the first / last 5 steps)
     assert loss[-5:].mean() < 0.85 * loss[:5].mean()
     assert acc0[-5:].mean() > acc0[:5].mean() + 0.15
-    assert all(abs(r["tau_sim"] - float(ttt.simulated_tau(np.array(r["acc"])))) < 1e-6 for r in rows)
+    assert all(abs(r["tau_sim"] - float(objective.simulated_tau(np.array(r["acc"])))) < 1e-6 for r in rows)
     taus = read_jsonl(out / "tau.jsonl")
     assert [t["step"] for t in taus] == [0, 30] and taus[1]["tau"] > taus[0]["tau"]  # engine on held-out prompts
 
@@ -110,16 +113,16 @@ def test_init_from_an_official_head(target_dir, golden_target, workdir, golden_d
 def test_export_formats_load_back(tmp_path, golden_target):
     tcfg, _ = golden_target
     dcfg = eagle3.head_config(tcfg, 256)
-    params = spec.init_params(draft.param_specs(dcfg), jax.random.key(0))
-    params["d2t"], params["t2d"] = ttt.build_vocab_map(np.arange(1024)[::-1], 256)
-    assert eagle3.export_head(params, dcfg, tcfg, tmp_path) == ["config.json", "model.safetensors", "pytorch_model.bin"]
+    head = params.init_params(draft.param_specs(dcfg), jax.random.key(0))
+    head["d2t"], head["t2d"] = objective.build_vocab_map(np.arange(1024)[::-1], 256)
+    assert eagle3.export_head(head, dcfg, tcfg, tmp_path) == ["config.json", "model.safetensors", "pytorch_model.bin"]
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 256
     bin_only = tmp_path / "bin"
     bin_only.mkdir()
     for name in ("config.json", "pytorch_model.bin"):
         (bin_only / name).write_bytes((tmp_path / "export" / name).read_bytes())
-    expected = jax.device_get(params)
+    expected = jax.device_get(head)
     for where in (tmp_path / "export", bin_only):
         cfg, loaded = draft.load_draft(where, tcfg)
         assert cfg == dcfg
@@ -204,7 +207,7 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_ones(target_dir, ch
     tokenizer = data.load_tokenizer(target_dir)
     prompts = [regenerate.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
                for r in source]
-    expected = generate.generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos
+    expected = plain.generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos
     for row, src, tokens in zip(rows, source, expected):
         human, gpt = row["conversations"]
         assert human == src["conversations"][0]

@@ -6,9 +6,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
-from eagle_jax import data, draft, sharding, spec, ttt
+
+from eagle_jax.models import draft, params
+from eagle_jax.parallel import sharding
+from eagle_jax.training import data, objective
 from train import eagle3
 from train.eagle3 import RunConfig
 
@@ -33,8 +35,8 @@ def two_steps(golden_target, examples, fixed_batch):
     """Two optimiser steps of a fresh head on one fixed batch, on a given mesh -> per-step metrics."""
     tcfg, tparams = golden_target
     dcfg = eagle3.head_config(tcfg, 256)
-    d2t, t2d = ttt.build_vocab_map(data.token_counts(examples, 1024)[0], 256)
-    trainable = jax.device_get(ttt.split_trainable(spec.init_params(draft.param_specs(dcfg), jax.random.key(0)))[0])
+    d2t, t2d = objective.build_vocab_map(data.token_counts(examples, 1024)[0], 256)
+    trainable = jax.device_get(objective.split_trainable(params.init_params(draft.param_specs(dcfg), jax.random.key(0)))[0])
     optimizer = eagle3.make_optimizer(RunConfig(target="", data=(), out="", steps=10, lr=1e-2, warmup=1))
 
     def run(mesh, bf16: bool = False) -> list[dict]:

@@ -20,13 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax import draft, ttt
-from eagle_jax.config import RopeConfig
 from eagle_jax.errors import EagleError
+from eagle_jax.models import draft
+from eagle_jax.models.config import RopeConfig
+from eagle_jax.training import objective
 
 STATIC = ("dcfg", "steps", "step_weight")
-loss_fn = jax.jit(ttt.ttt_loss, static_argnames=STATIC)
-grad_fn = jax.jit(ttt.ttt_value_and_grad, static_argnames=STATIC)
+loss_fn = jax.jit(objective.ttt_loss, static_argnames=STATIC)
+grad_fn = jax.jit(objective.ttt_value_and_grad, static_argnames=STATIC)
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def _flat_get(tree, name: str):
 def test_target_batch_matches_official(golden_target, golden_ttt):
     tcfg, tparams = golden_target
     z = golden_ttt
-    features, logits = jax.jit(ttt.target_batch, static_argnums=1)(
+    features, logits = jax.jit(objective.target_batch, static_argnums=1)(
         tparams, tcfg, jnp.asarray(z["input_ids"]), jnp.asarray(z["attention_mask"])
     )
     np.testing.assert_allclose(features, z["hidden_states"], atol=1e-4, rtol=0)
@@ -70,11 +71,11 @@ def test_ttt_matches_official(golden_target, golden_head, golden_ttt):
 
     np.testing.assert_allclose(metrics["plosses"], z["plosses"], rtol=1e-5)
     np.testing.assert_allclose(total, z["total_loss"], rtol=1e-5)
-    np.testing.assert_allclose(ttt.accuracies(metrics), z["acces"], rtol=0, atol=1e-9)
+    np.testing.assert_allclose(objective.accuracies(metrics), z["acces"], rtol=0, atol=1e-9)
     np.testing.assert_allclose(metrics["acces"], z["acces"], rtol=1e-6)
     np.testing.assert_array_equal(metrics["n_counted"], z["step_n_counted"])
     np.testing.assert_array_equal(metrics["loss_mask_sum"], z["step_loss_mask_sum"])
-    masks = ttt.position_masks(dparams, dcfg, jnp.asarray(z["target_logits"]), jnp.asarray(z["loss_mask"]))
+    masks = objective.position_masks(dparams, dcfg, jnp.asarray(z["target_logits"]), jnp.asarray(z["loss_mask"]))
     np.testing.assert_array_equal(masks, z["step_position_mask"])
 
     # gradients: exactly the 13 trainable tensors, each within 1e-5 of its norm
@@ -95,11 +96,11 @@ def test_ttt_matches_official(golden_target, golden_head, golden_ttt):
     # the "rope base from config" variant of the official run (theta = 10000 here, so identical)
     assert dcfg.rope.theta == 10000.0
     np.testing.assert_allclose(metrics["plosses"], z["ropecfg.plosses"], rtol=1e-5)
-    np.testing.assert_allclose(ttt.accuracies(metrics), z["ropecfg.acces"], atol=1e-9)
+    np.testing.assert_allclose(objective.accuracies(metrics), z["ropecfg.acces"], atol=1e-9)
     np.testing.assert_allclose(total, z["ropecfg.total_loss"], rtol=1e-5)
     np.testing.assert_allclose(norms, z["ropecfg.grad_norms"], rtol=1e-5)
     np.testing.assert_allclose(np.sqrt(np.sum(np.square(norms))), z["ropecfg.grad_norm_total"], rtol=1e-5)
-    assert ttt.simulated_tau(metrics["acces"]) == pytest.approx(1 + np.sum(np.cumprod(z["acces"])), rel=1e-6)
+    assert objective.simulated_tau(metrics["acces"]) == pytest.approx(1 + np.sum(np.cumprod(z["acces"])), rel=1e-6)
 
 
 def test_rope_theta_comes_from_head_config(golden_dir, golden_target, golden_ttt, tmp_path):
@@ -115,7 +116,7 @@ def test_rope_theta_comes_from_head_config(golden_dir, golden_target, golden_ttt
     total, metrics = loss_fn(dparams, dcfg, embed, *_batch(z))
     ref = plain_ttt(_np64(dparams), dcfg, np.asarray(embed, np.float64), *(np.asarray(x) for x in _batch(z)))
     np.testing.assert_allclose(metrics["plosses"], ref["plosses"], rtol=2e-5)
-    np.testing.assert_allclose(ttt.accuracies(metrics), ref["acces"], atol=1e-9)
+    np.testing.assert_allclose(objective.accuracies(metrics), ref["acces"], atol=1e-9)
     np.testing.assert_allclose(total, ref["total"], rtol=2e-5)
     assert abs(float(total) / float(z["total_loss"]) - 1) > 1e-3  # differs from the hard-coded base
 
@@ -220,7 +221,7 @@ def _random_head(rng: np.random.Generator, draft_vocab_size: int) -> tuple[draft
     if c.has_vocab_map:
         counts = rng.integers(1, 50, c.vocab_size)
         counts[0] = 1000  # id 0 (the argmax of a zero target row) is in the draft vocabulary
-        params["d2t"], params["t2d"] = ttt.build_vocab_map(counts, c.draft_vocab_size)
+        params["d2t"], params["t2d"] = objective.build_vocab_map(counts, c.draft_vocab_size)
     return c, params
 
 
@@ -247,14 +248,14 @@ def test_matches_plain_reference(draft_vocab_size):
 
     # one compiled pass also differentiates the frozen inputs: embedding, target features and logits
     def loss(embed, features, target_logits):
-        return ttt.ttt_loss(params, c, embed, features, target_logits, *args[2:], steps=5, step_weight=0.7)
+        return objective.ttt_loss(params, c, embed, features, target_logits, *args[2:], steps=5, step_weight=0.7)
 
     (total, metrics), frozen = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(
         jnp.asarray(embed), jnp.asarray(features), jnp.asarray(target_logits)
     )
     np.testing.assert_allclose(metrics["plosses"], ref["plosses"], rtol=1e-5)
     np.testing.assert_allclose(total, ref["total"], rtol=1e-5)
-    np.testing.assert_allclose(ttt.accuracies(metrics), ref["acces"], atol=1e-9)
+    np.testing.assert_allclose(objective.accuracies(metrics), ref["acces"], atol=1e-9)
     np.testing.assert_array_equal(metrics["n_counted"], ref["n_counted"])
     assert all(not np.any(np.asarray(g)) for g in frozen)
 
@@ -267,7 +268,7 @@ def test_matches_plain_reference(draft_vocab_size):
 
 def test_build_vocab_map_ties_and_formula():
     counts = np.array([0, 5, 3, 5, 0, 3, 1, 3])
-    d2t, t2d = ttt.build_vocab_map(counts, 4)
+    d2t, t2d = objective.build_vocab_map(counts, 4)
     # counts 5 (ids 1, 3) then three ids with 3: ties go to the lower id (2 before 5 and 7)
     assert np.flatnonzero(t2d).tolist() == [1, 2, 3, 5]
     assert d2t.dtype == np.int32 and t2d.dtype == np.bool_
@@ -278,33 +279,33 @@ def test_build_vocab_map_ties_and_formula():
     used = sorted(k for k, _ in Counter(stream).most_common(4))
     counts = np.bincount(stream, minlength=8)
     first_seen = np.array([stream.index(v) if v in stream else len(stream) for v in range(8)])
-    d2t, t2d = ttt.build_vocab_map(counts, 4, first_seen)
+    d2t, t2d = objective.build_vocab_map(counts, 4, first_seen)
     assert used == [1, 3, 5, 7] and np.flatnonzero(t2d).tolist() == used
     assert (d2t + np.arange(4)).tolist() == used
-    assert np.flatnonzero(ttt.build_vocab_map(counts, 4)[1]).tolist() == [1, 2, 3, 5]  # by id instead
+    assert np.flatnonzero(objective.build_vocab_map(counts, 4)[1]).tolist() == [1, 2, 3, 5]  # by id instead
 
 
 def test_build_vocab_map_fewer_seen_tokens_than_draft_vocab():
     with pytest.raises(EagleError, match="only 3 distinct tokens"):
-        ttt.build_vocab_map(np.array([0, 4, 0, 1, 2, 0]), 4)
-    d2t, t2d = ttt.build_vocab_map(np.array([0, 4, 0, 1, 2, 0]), 3)
+        objective.build_vocab_map(np.array([0, 4, 0, 1, 2, 0]), 4)
+    d2t, t2d = objective.build_vocab_map(np.array([0, 4, 0, 1, 2, 0]), 3)
     assert np.flatnonzero(t2d).tolist() == [1, 3, 4] and d2t.tolist() == [1, 2, 2]
 
 
 def test_draft_columns_follow_the_head_map(golden_head):
     dcfg, dparams = golden_head
-    np.testing.assert_array_equal(ttt.draft_columns(dparams, dcfg), np.flatnonzero(np.asarray(dparams["t2d"])))
+    np.testing.assert_array_equal(objective.draft_columns(dparams, dcfg), np.flatnonzero(np.asarray(dparams["t2d"])))
     no_map = dataclasses.replace(dcfg, draft_vocab_size=dcfg.vocab_size)
-    np.testing.assert_array_equal(ttt.draft_columns({}, no_map), np.arange(dcfg.vocab_size))
+    np.testing.assert_array_equal(objective.draft_columns({}, no_map), np.arange(dcfg.vocab_size))
 
 
 def test_simulated_tau():
-    assert float(ttt.simulated_tau(jnp.array([1.0, 0.5, 0.5]))) == pytest.approx(2.75)
-    assert float(ttt.simulated_tau(jnp.zeros(7))) == 1.0
+    assert float(objective.simulated_tau(jnp.array([1.0, 0.5, 0.5]))) == pytest.approx(2.75)
+    assert float(objective.simulated_tau(jnp.zeros(7))) == 1.0
 
 
 def test_ttt_rejects_eagle1_config(golden_dir, golden_target):
     c1, p1 = draft.load_draft(golden_dir / "eagle1", golden_target[0])
     with pytest.raises(EagleError, match="EAGLE-3"):
-        ttt.ttt_loss(p1, c1, None, None, None, jnp.zeros((1, 4), jnp.int32), None, None)
+        objective.ttt_loss(p1, c1, None, None, None, jnp.zeros((1, 4), jnp.int32), None, None)
 

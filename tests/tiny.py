@@ -8,10 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import draft, target
-from eagle_jax.config import RopeConfig, TargetConfig
-from eagle_jax.draft import DraftConfig
-from eagle_jax.spec import init_params
+from eagle_jax.models import draft, target
+from eagle_jax.models.config import RopeConfig, TargetConfig
+from eagle_jax.models.draft import DraftConfig
+from eagle_jax.models.params import init_params
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 

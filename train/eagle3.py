@@ -29,12 +29,17 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
+from cli import command
 from convert import orbax_to_torch
-from eagle_jax import checkpoint, cli, data, draft, engine, sharding, spec, store, target, ttt
-from eagle_jax.config import TargetConfig, load_target_config, target_config_from_hf
-from eagle_jax.draft import DraftConfig
+from eagle_jax.decoding import speculative
 from eagle_jax.errors import EagleError
-from eagle_jax.hf_io import load_target
+from eagle_jax.io import store
+from eagle_jax.io.hf import load_target
+from eagle_jax.models import draft, params, target
+from eagle_jax.models.config import TargetConfig, load_target_config, target_config_from_hf
+from eagle_jax.models.draft import DraftConfig
+from eagle_jax.parallel import sharding
+from eagle_jax.training import checkpoints, data, objective
 
 PyTree = Any
 DEFAULT_DRAFT_VOCAB = 32000
@@ -158,16 +163,16 @@ def make_shardings(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.Gradi
                    mesh: Mesh, target_dtype=jnp.float32) -> Shardings:
     """Placement of every input and state of a train step, from the logical-axis rules."""
     rules = sharding.rules_for(tcfg.num_kv_heads, mesh)
-    trainable_specs, map_specs = ttt.split_trainable(draft.param_specs(dcfg))
+    trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
     trainable = sharding.param_shardings(trainable_specs, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shape = jax.eval_shape(optimizer.init, spec.abstract_params(trainable_specs))
+    opt_shape = jax.eval_shape(optimizer.init, params.abstract_params(trainable_specs))
     opt_state = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, trainable,
                                       transform_non_params=lambda _: replicated)
     return Shardings(
         target=sharding.param_shardings(target.param_specs(tcfg, target_dtype), mesh, rules),
         trainable=trainable,
-        vocab_map=jax.tree.map(lambda _: replicated, map_specs, is_leaf=spec.is_spec),
+        vocab_map=jax.tree.map(lambda _: replicated, map_specs, is_leaf=params.is_spec),
         opt_state=opt_state,
         batch=NamedSharding(mesh, sharding.partition_spec(("batch", None), rules)),
         replicated=replicated,
@@ -188,11 +193,11 @@ def make_train_step(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.Grad
     """
 
     def step(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask):
-        features, target_logits = ttt.target_batch(tparams, tcfg, input_ids, attention_mask)
+        features, target_logits = objective.target_batch(tparams, tcfg, input_ids, attention_mask)
 
         def loss_fn(tr):
             params = {**jax.tree.map(lambda x: x.astype(compute_dtype), tr), **vocab_map}
-            return ttt.ttt_loss(params, dcfg, tparams["embed"], features, target_logits, input_ids,
+            return objective.ttt_loss(params, dcfg, tparams["embed"], features, target_logits, input_ids,
                                 attention_mask, loss_mask, steps=ttt_steps)
 
         (total, m), grads = jax.value_and_grad(loss_fn, has_aux=True)(trainable)
@@ -287,16 +292,16 @@ def vocab_map(rc: RunConfig, out: Path, examples: list[data.Example], dcfg: Draf
     path = out / "vocab_map.npz"
     if path.is_file():
         saved = np.load(path)
-        return {k: saved[k] for k in ttt.VOCAB_MAP_KEYS if k in saved}
+        return {k: saved[k] for k in objective.VOCAB_MAP_KEYS if k in saved}
     counts, first_seen = data.token_counts(examples, dcfg.vocab_size)
     if init_map is not None:
         maps = init_map
     elif dcfg.has_vocab_map:
-        d2t, t2d = ttt.build_vocab_map(counts, dcfg.draft_vocab_size, first_seen)
+        d2t, t2d = objective.build_vocab_map(counts, dcfg.draft_vocab_size, first_seen)
         maps = {"d2t": d2t, "t2d": t2d}
     else:
         maps = {}
-    checkpoint.save_npz_atomic(path, counts=counts, **maps)
+    checkpoints.save_npz_atomic(path, counts=counts, **maps)
     return maps
 
 
@@ -379,14 +384,14 @@ def tau_prompts(path: str, tokenizer, limit: int = 16) -> list[list[int]]:
 def measure_tau(tparams: dict, tcfg: TargetConfig, dparams: dict, dcfg: DraftConfig,
                 prompts: list[list[int]], max_new_tokens: int) -> float:
     """Mean tokens per cycle of greedy speculative decoding (EAGLE-2 dynamic tree, upstream defaults)."""
-    return engine.generate(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens).tau
+    return speculative.generate(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens).tau
 
 
 # ---------------------------------------------------------------- main
 
 
 def parse_args(argv: Sequence[str] | None) -> RunConfig:
-    p = cli.ArgumentParser(prog="python -m train.eagle3", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m train.eagle3", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target: Hugging Face directory (weights, config, tokenizer) or eagle-jax store")
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files (.json, .jsonl, .parquet)")
     p.add_argument("--out", required=True, help="run directory; reusing it resumes")
@@ -446,15 +451,15 @@ def train(rc: RunConfig) -> dict:
         dcfg, init_params = draft.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)  # fp32 master
         if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
             raise EagleError(f"--draft-vocab-size {rc.draft_vocab_size} differs from {rc.init_head} ({dcfg.draft_vocab_size})")
-        trainable_init, init_map = ttt.split_trainable(init_params)
+        trainable_init, init_map = objective.split_trainable(init_params)
     else:
         dcfg = head_config(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
-        trainable_init = ttt.split_trainable(spec.init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0]
+        trainable_init = objective.split_trainable(params.init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0]
     examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
     log(f"data: {stats.summary()}")
     prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
     out.mkdir(parents=True, exist_ok=True)
-    checkpoint.write_json_atomic(out / "run.json", dataclasses.asdict(rc))
+    checkpoints.write_json_atomic(out / "run.json", dataclasses.asdict(rc))
     maps = vocab_map(rc, out, examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
@@ -466,9 +471,9 @@ def train(rc: RunConfig) -> dict:
     opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)
     state = {"params": trainable, "opt_state": opt_state}
 
-    mgr = checkpoint.manager(out / "ckpt", rc.keep)
+    mgr = checkpoints.manager(out / "ckpt", rc.keep)
     start = 0
-    restored = checkpoint.restore_latest(mgr, checkpoint.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}))
+    restored = checkpoints.restore_latest(mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}))
     if restored is not None:
         state, meta = restored
         start = int(meta["step"])
@@ -511,7 +516,7 @@ def train(rc: RunConfig) -> dict:
                 "loss": float(np.mean([m["loss"] for m in ms])),
                 "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
                 "acc": acc,
-                "tau_sim": float(ttt.simulated_tau(np.asarray(acc))),
+                "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
                 "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
                 "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(step)),
                 "tokens_per_s": tokens / elapsed,
@@ -525,7 +530,7 @@ def train(rc: RunConfig) -> dict:
         if prompts and rc.tau_every and done % rc.tau_every == 0:
             real_tau(done)
         if done % rc.save_every == 0 or done == rc.steps:
-            checkpoint.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
+            checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
     bar.close()
     mgr.wait_until_finished()
     mgr.close()
@@ -547,7 +552,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(_main, argv)
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":

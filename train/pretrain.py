@@ -166,9 +166,9 @@ def main(argv=None) -> None:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from eagle_jax import target as target_model
-    from eagle_jax.config import target_config_from_hf
-    from eagle_jax.spec import init_params
+    from eagle_jax.models import target as target_model
+    from eagle_jax.models.config import target_config_from_hf
+    from eagle_jax.models.params import init_params
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     config = hf_config(len(tok), args.hidden, args.layers, args.heads, args.kv_heads, args.intermediate, tok)

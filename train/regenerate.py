@@ -21,17 +21,20 @@ from typing import Sequence
 import jax
 from tqdm import tqdm
 
-from eagle_jax import cli, data, sharding, target
+from cli import command
+from eagle_jax.decoding.plain import generate
+from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
-from eagle_jax.generate import generate
-from eagle_jax.sampling import SamplingConfig
+from eagle_jax.models import target
+from eagle_jax.parallel import sharding
+from eagle_jax.training import data
 from train import eagle3
 
 SHAREGPT_ROLES = {"system": "system", "user": "human", "assistant": "gpt"}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = cli.ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target: Hugging Face directory or eagle-jax store")
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files")
     p.add_argument("--out", required=True, help="output JSONL (ShareGPT format); an existing file is continued")
@@ -173,7 +176,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.run(_main, argv)
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def sharegpt_path() -> Path:
 
 def english_conversations(path: Path, min_ascii: float = 0.97) -> list[list[dict[str, str]]]:
     """Complete ShareGPT records as user/assistant turns, keeping the mostly-ASCII ones."""
-    from eagle_jax.data import messages_of, read_records, trainable_turns
+    from eagle_jax.training.data import messages_of, read_records, trainable_turns
 
     records, _ = read_records(path)
     out = []

@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle_jax.errors import EagleError
-from eagle_jax.spec import ParamSpec, map_specs
+from eagle_jax.models.params import ParamSpec, map_specs
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

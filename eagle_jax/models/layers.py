@@ -7,7 +7,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from eagle_jax.config import RopeConfig
+from eagle_jax.models.config import RopeConfig
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import draft, target
-from eagle_jax.config import TargetConfig
-from eagle_jax.draft import DraftConfig
+from eagle_jax.decoding.sampling import argmax
 from eagle_jax.errors import EagleError
-from eagle_jax.layers import attend
-from eagle_jax.sampling import argmax
+from eagle_jax.models import draft, target
+from eagle_jax.models.config import TargetConfig
+from eagle_jax.models.draft import DraftConfig
+from eagle_jax.models.layers import attend
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 

@@ -30,14 +30,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import draft, kv_cache, target, tree as trees
-from eagle_jax.config import TargetConfig
-from eagle_jax.draft import DraftConfig
-from eagle_jax.generate import (PAD_ID, default_capacity, is_eos, live_span, prepare_prompts, prompt_bucket,
-                                run_segments)
-from eagle_jax.kv_cache import KVCache
-from eagle_jax.sampling import SamplingConfig, sample
-from eagle_jax.tree import Tree, TreeConfig
+from eagle_jax.decoding import tree as trees
+from eagle_jax.decoding.plain import (
+    PAD_ID,
+    default_capacity,
+    is_eos,
+    live_span,
+    prepare_prompts,
+    prompt_bucket,
+    run_segments,
+)
+from eagle_jax.decoding.sampling import SamplingConfig, sample
+from eagle_jax.decoding.tree import Tree, TreeConfig
+from eagle_jax.models import draft, kv_cache, target
+from eagle_jax.models.config import TargetConfig
+from eagle_jax.models.draft import DraftConfig
+from eagle_jax.models.kv_cache import KVCache
 
 
 @dataclasses.dataclass(frozen=True)

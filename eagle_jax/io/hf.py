@@ -15,10 +15,10 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 from tqdm import tqdm
 
-from eagle_jax.config import TargetConfig, load_target_config
 from eagle_jax.errors import EagleError
-from eagle_jax.spec import check_against_specs, describe_mismatch, unflatten_dict
-from eagle_jax import target as target_model
+from eagle_jax.models import target as target_model
+from eagle_jax.models.config import TargetConfig, load_target_config
+from eagle_jax.models.params import check_against_specs, describe_mismatch, unflatten_dict
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 

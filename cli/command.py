@@ -19,7 +19,7 @@ import warnings
 from typing import Callable, NoReturn, Sequence
 
 from eagle_jax.errors import EagleError
-from eagle_jax import distributed
+from eagle_jax.parallel import distributed
 
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130

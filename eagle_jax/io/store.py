@@ -32,13 +32,13 @@ import numpy as np
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from eagle_jax import draft as draft_model
-from eagle_jax import target as target_model
-from eagle_jax.config import TargetConfig, read_json, target_config_from_hf
-from eagle_jax.draft import DraftConfig, check_fits, draft_config_from_hf
 from eagle_jax.errors import EagleError
-from eagle_jax.sharding import logical_sharding
-from eagle_jax.spec import ParamSpec, is_spec, map_specs, with_dtype
+from eagle_jax.models import draft as draft_model
+from eagle_jax.models import target as target_model
+from eagle_jax.models.config import TargetConfig, read_json, target_config_from_hf
+from eagle_jax.models.draft import DraftConfig, check_fits, draft_config_from_hf
+from eagle_jax.models.params import ParamSpec, is_spec, map_specs, with_dtype
+from eagle_jax.parallel.sharding import logical_sharding
 
 FORMAT = "eagle-jax-store/1"
 MANIFEST = "eagle_jax.json"

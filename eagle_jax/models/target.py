@@ -13,12 +13,12 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from eagle_jax import kv_cache
-from eagle_jax.config import TargetConfig
 from eagle_jax.errors import EagleError
-from eagle_jax.kv_cache import KVCache
-from eagle_jax.layers import apply_rope, attend, linear, rms_norm, sparse_moe, swiglu
-from eagle_jax.spec import ParamSpec
+from eagle_jax.models import kv_cache
+from eagle_jax.models.config import TargetConfig
+from eagle_jax.models.kv_cache import KVCache
+from eagle_jax.models.layers import apply_rope, attend, linear, rms_norm, sparse_moe, swiglu
+from eagle_jax.models.params import ParamSpec
 
 
 def param_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:

@@ -21,13 +21,15 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from eagle_jax import draft, engine, generate as plain, sharding, target
-from eagle_jax.config import TargetConfig
-from eagle_jax.draft import DraftConfig
-from eagle_jax.engine import SpecConfig, SpecResult, SpecState
-from eagle_jax.generate import DecodeState, GenerationResult
-from eagle_jax.kv_cache import CACHE_AXES, KVCache
-from eagle_jax.sampling import SamplingConfig
+from eagle_jax.decoding import plain, speculative
+from eagle_jax.decoding.plain import DecodeState, GenerationResult
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.speculative import SpecConfig, SpecResult, SpecState
+from eagle_jax.models import draft, target
+from eagle_jax.models.config import TargetConfig
+from eagle_jax.models.draft import DraftConfig
+from eagle_jax.models.kv_cache import CACHE_AXES, KVCache
+from eagle_jax.parallel import sharding
 
 PyTree = Any
 BATCH = ("batch",)
@@ -127,9 +129,9 @@ def spec_programs(tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig, capac
     ssh = spec_state_shardings(tcfg, dcfg, mesh)
     rows, replicated = ssh.counts, ssh.key
     static = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
-    prefill = jax.jit(functools.partial(engine.prefill, capacity=capacity, **static),
+    prefill = jax.jit(functools.partial(speculative.prefill, capacity=capacity, **static),
                       in_shardings=(tsh, dsh, rows, rows, rows, replicated), out_shardings=ssh)
-    run = jax.jit(functools.partial(engine.run_loop, **static), in_shardings=(tsh, dsh, ssh), out_shardings=ssh,
+    run = jax.jit(functools.partial(speculative.run_loop, **static), in_shardings=(tsh, dsh, ssh), out_shardings=ssh,
                   donate_argnums=(2,))
     return SpecPrograms(tsh, dsh, ssh, rows, replicated, prefill, run)
 
@@ -196,11 +198,11 @@ def _put_rows(x: np.ndarray, real: int, fill: int, where: NamedSharding) -> jax.
 def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftConfig, prompts: list[list[int]],
              max_new_tokens: int, mesh: Mesh, spec: SpecConfig = SpecConfig(), seed: int = 0,
              capacity: int | None = None) -> SpecResult:
-    """`engine.generate` on a mesh: the same tokens, with parameters and state sharded."""
+    """`speculative.generate` on a mesh: the same tokens, with parameters and state sharded."""
     pad_id = tcfg.pad_token_id or 0
     rows = _pad_rows(prompts, mesh, pad_id)
     check_mesh(mesh, tcfg, dcfg, len(rows))
-    p = engine.prepare(rows, max_new_tokens, spec, capacity, pad_id)
+    p = speculative.prepare(rows, max_new_tokens, spec, capacity, pad_id)
     progs = spec_programs(tcfg, dcfg, spec, p.capacity, mesh)
     n = len(prompts)
     tokens, lengths = (sharding.put(x, progs.rows) for x in (p.tokens, p.lengths))
@@ -209,7 +211,7 @@ def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftCo
     tparams, dparams = place(tparams, progs.target), place(dparams, progs.draft)
     state = progs.run(tparams, dparams, progs.prefill(tparams, dparams, tokens, lengths, limits, key))
     out, counts, eos, acc = _replicator(mesh)((state.out, state.counts, state.eos, state.accept_lengths))
-    res = engine.result(dataclasses.replace(state, out=out, counts=counts, eos=eos, accept_lengths=acc))
+    res = speculative.result(dataclasses.replace(state, out=out, counts=counts, eos=eos, accept_lengths=acc))
     return SpecResult(res.tokens[:n], res.accept_lengths[:n], res.stop_reasons[:n])
 
 

@@ -23,11 +23,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle_jax.cli import DTYPES
-from eagle_jax.draft import KINDS
+from cli.command import DTYPES
+from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
-from eagle_jax.sharding import parse_mesh
-from eagle_jax.tree import DynamicTree, TreeConfig, parse_static
+from eagle_jax.models.draft import KINDS
+from eagle_jax.parallel.sharding import parse_mesh
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 MODELS_ENV = "EAGLE_JAX_MODELS"

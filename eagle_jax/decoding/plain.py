@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import kv_cache, target
-from eagle_jax.config import TargetConfig
+from eagle_jax.decoding.sampling import SamplingConfig, sample
 from eagle_jax.errors import EagleError
-from eagle_jax.kv_cache import KVCache
-from eagle_jax.sampling import SamplingConfig, sample
+from eagle_jax.models import kv_cache, target
+from eagle_jax.models.config import TargetConfig
+from eagle_jax.models.kv_cache import KVCache
 
 State = TypeVar("State")
 MIN_BUCKET = 16

@@ -22,12 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax import kv_cache
-from eagle_jax.config import RopeConfig, TargetConfig, read_json, rope_from_hf
 from eagle_jax.errors import EagleError
-from eagle_jax.kv_cache import KVCache
-from eagle_jax.layers import apply_rope, attend, linear, rms_norm, swiglu
-from eagle_jax.spec import ParamSpec, describe_mismatch, flatten_dict, unflatten_dict
+from eagle_jax.models import kv_cache
+from eagle_jax.models.config import RopeConfig, TargetConfig, read_json, rope_from_hf
+from eagle_jax.models.kv_cache import KVCache
+from eagle_jax.models.layers import apply_rope, attend, linear, rms_norm, swiglu
+from eagle_jax.models.params import ParamSpec, describe_mismatch, flatten_dict, unflatten_dict
 
 KINDS = ("eagle1", "eagle3")
 
@@ -341,7 +341,7 @@ def load_draft(draft_dir: str | Path, target: TargetConfig, kind: str | None = N
 
     The kind is detected from the keys; `kind` forces it (and a mismatch is an error).
     """
-    from eagle_jax.hf_io import read_tensors
+    from eagle_jax.io.hf import read_tensors
 
     draft_dir = Path(draft_dir)
     if not draft_dir.is_dir():
