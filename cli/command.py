@@ -1,4 +1,4 @@
-"""Shared command-line plumbing: one-line errors and warnings, exit code 2 for bad input.
+"""Command-line plumbing every entry point shares: one-line errors and warnings, exit code 2 for bad input.
 
 Every entry point does
 
@@ -14,9 +14,10 @@ where `_main(argv)` parses its flags with `cli.ArgumentParser` and raises `Eagle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import warnings
-from typing import Callable, NoReturn, Sequence
+from typing import Callable, Iterator, NoReturn, Sequence
 
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed
@@ -30,6 +31,24 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise EagleError(f"{self.prog}: {message} (see --help)")
+
+
+@contextlib.contextmanager
+def flag(name: str, hint: str = "") -> Iterator[None]:
+    """Name the flag a library error is about: `error: --mesh: bad mesh entry ...` (+ `hint`, e.g. what to pass)."""
+    try:
+        yield
+    except EagleError as exc:
+        raise EagleError(f"{name}: {exc}{'; ' + hint if hint else ''}") from None
+
+
+@contextlib.contextmanager
+def hint(text: str) -> Iterator[None]:
+    """Append what to do on the command line to a library error: `error: ...; raise --max-len`."""
+    try:
+        yield
+    except EagleError as exc:
+        raise EagleError(f"{exc}; {text}") from None
 
 
 def warn(message: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 from cli.command import DTYPES
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
-from eagle_jax.models.draft import KINDS
+from eagle_jax.models.config import DRAFT_KINDS
 from eagle_jax.parallel.sharding import parse_mesh
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -95,8 +95,8 @@ def preset_from_dict(raw: dict, name: str) -> Preset:
         raise EagleError(f"{where}: missing keys {sorted(missing)}")
     draft = raw["draft"]
     kind = draft.get("kind") if isinstance(draft, dict) else None
-    if kind not in KINDS:
-        raise EagleError(f"{where}: draft.kind must be one of {', '.join(KINDS)}")
+    if kind not in DRAFT_KINDS:
+        raise EagleError(f"{where}: draft.kind must be one of {', '.join(DRAFT_KINDS)}")
     if raw["dtype"] not in DTYPES:
         raise EagleError(f"{where}: dtype must be one of {', '.join(DTYPES)}")
     if raw.get("mesh") is not None:
@@ -132,3 +132,24 @@ def load_preset(name: str) -> Preset:
     except json.JSONDecodeError as exc:
         raise EagleError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
     return preset_from_dict(raw, path.stem)
+
+
+# Public config.json values of the checkpoints the presets name (for planning without downloading them).
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+          "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 131072, "tie_word_embeddings": False,
+          "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
+_EAGLE3 = {"num_hidden_layers": 1, "vocab_size": 128256, "draft_vocab_size": 32000, "rms_norm_eps": 1e-5,
+           "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 2048}
+# Public config.json values of the checkpoints the presets name (used when they are not downloaded).
+HUB_CONFIGS: dict[str, dict] = {
+    "meta-llama/Llama-3.3-70B-Instruct": {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672,
+                                          "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
+    "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B": {**_EAGLE3, "hidden_size": 8192, "intermediate_size": 28672,
+                                             "num_attention_heads": 64, "num_key_value_heads": 8},
+    "meta-llama/Llama-3.1-8B-Instruct": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336,
+                                         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8},
+    "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B": {**_EAGLE3, "hidden_size": 4096, "intermediate_size": 14336,
+                                            "num_attention_heads": 32, "num_key_value_heads": 8},
+}

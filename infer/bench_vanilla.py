@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from eagle_jax.decoding import plain as gen
+from eagle_jax.decoding import plain, schedule
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.models import target
@@ -38,16 +38,17 @@ def bench_batch(params: dict, cfg: TargetConfig, batch: int, prompt_len: int, ne
     """Median prefill and decode throughput over `repeats` timed runs after one warm-up run."""
     rng = np.random.default_rng(batch)
     prompts = rng.integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
-    tokens, lengths, limits, capacity = gen.prepare_prompts(prompts, new_tokens, None)
+    p = schedule.prepare(prompts, new_tokens)
+    tokens, lengths, limits, capacity = p.tokens, p.lengths, p.limits, p.capacity
     sc = SamplingConfig()
     key = jax.random.key(0)
     prefill_s, decode_s, decoded = [], [], 0
     for run in range(repeats + 1):
         t0 = time.perf_counter()
         cache, first = jax.block_until_ready(
-            gen.prefill(params, tokens, lengths, key, cfg=cfg, sc=sc, capacity=capacity))
+            plain.prefill(params, tokens, lengths, key, cfg=cfg, sc=sc, capacity=capacity))
         t1 = time.perf_counter()
-        state = jax.block_until_ready(gen.decode(params, cache, first, limits, key, cfg=cfg, sc=sc))
+        state = jax.block_until_ready(plain.decode(params, cache, first, limits, key, cfg=cfg, sc=sc))
         t2 = time.perf_counter()
         if run:  # run 0 compiles
             prefill_s.append(t1 - t0)

@@ -36,7 +36,18 @@ from pathlib import Path
 
 import numpy as np
 
-from infer.generate import DEMO_DRAFT, DEMO_TARGET, DEMO_TREE
+import jax
+import jax.numpy as jnp
+from tqdm import tqdm
+
+from cli import demo
+from eagle_jax.decoding import acceptance, plain, schedule, speculative
+from eagle_jax.decoding.sampling import SamplingConfig, argmax
+from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.errors import EagleError
+from eagle_jax.io import loading
+from eagle_jax.models import kv_cache, target
+from eagle_jax.training import data
 
 # (total_tokens, depth, top_k): chains of 3-7 drafts (top-k 1, depth + 1 levels: what an accurate head wants
 # where verifying is not free), deep narrow trees of 8-24 nodes, and wide ones up to upstream's 60 / 7 / 10
@@ -45,8 +56,6 @@ AUTO_CANDIDATES = ((4, 2, 1), (5, 3, 1), (6, 4, 1), (8, 6, 1), (8, 5, 2), (12, 5
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:
-    from eagle_jax.errors import EagleError
-
     if not path.is_file():
         raise EagleError(f"{path}: question file not found")
     out = []
@@ -74,16 +83,10 @@ class Runner:
 
     def __init__(self, target_dir, draft_dir, tree, temperature: float, max_new_tokens: int,
                  max_prompt_tokens: int, chat_template: str | None = None, seed: int = 0):
-        from eagle_jax.decoding import speculative
-        from eagle_jax.decoding.sampling import SamplingConfig
-        from eagle_jax.io.hf import load_target
-        from eagle_jax.models.draft import load_draft
-        from eagle_jax.training.data import load_tokenizer
-
         # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
-        self.tcfg, self.tparams = load_target(target_dir, dtype=np.float32)
-        self.dcfg, self.dparams = load_draft(draft_dir, self.tcfg, dtype=np.float32)
-        self.tokenizer = load_tokenizer(target_dir, chat_template)
+        self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32)
+        self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)
+        self.tokenizer = data.chat_tokenizer(target_dir, chat_template)
         self.sampling = SamplingConfig(temperature=temperature)
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
@@ -92,12 +95,8 @@ class Runner:
         self._warm: set = set()
 
     def set_tree(self, tree) -> None:
-        from eagle_jax.decoding import speculative
-        from eagle_jax.decoding.tree import DynamicTree
-
         total, depth, top_k = tree
         self.tree = DynamicTree(total_tokens=total, depth=depth, top_k=top_k)
-        self.spec = speculative.SpecConfig(tree=self.tree, sampling=self.sampling)
         self.capacity = self.capacity_for(self.max_prompt_tokens)  # the largest any turn gets
         self._warm = set()
 
@@ -112,46 +111,34 @@ class Runner:
 
     def capacity_for(self, prompt_len: int) -> int:
         """A turn's cache capacity, as infer.generate sizes it: its prompt bucket + the budget + one tree."""
-        from eagle_jax.decoding.plain import default_capacity, prompt_bucket
+        return schedule.plan([prompt_len], self.max_new_tokens, self.tree.cache_overhead).capacity
 
-        return default_capacity(prompt_bucket(prompt_len), self.max_new_tokens + self.spec.cache_overhead)
+    def prepare(self, ids: list[int], max_new_tokens: int) -> schedule.Prompts:
+        return speculative.prepare([ids], max_new_tokens, self.tree, self.tcfg, self.capacity_for(len(ids)))
 
     # ------------------------------------------------------------ timed runs
     def plain(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
-        import jax
-
-        from eagle_jax.decoding import plain as gen
-
-        n = max_new_tokens or self.max_new_tokens
-        tokens, lengths, limits, capacity = gen.prepare_prompts([ids], n, self.capacity_for(len(ids)),
-                                                                self.tcfg.pad_token_id or 0)
+        p = self.prepare(ids, max_new_tokens or self.max_new_tokens)
         key = jax.random.key(self.seed)
         t0 = time.perf_counter()
-        cache, first = jax.block_until_ready(gen.prefill(self.tparams, tokens, lengths, key, cfg=self.tcfg,
-                                                         sc=self.sampling, capacity=capacity))
+        cache, first = jax.block_until_ready(plain.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg,
+                                                           sc=self.sampling, capacity=p.capacity))
         t1 = time.perf_counter()
-        state = jax.block_until_ready(gen.decode(self.tparams, cache, first, limits, key, cfg=self.tcfg,
-                                                 sc=self.sampling))
+        state = jax.block_until_ready(plain.decode(self.tparams, cache, first, p.limits, key, cfg=self.tcfg,
+                                                   sc=self.sampling))
         t2 = time.perf_counter()
-        out, count = jax.device_get((state.out, state.counts))
-        toks = out[0, : int(count[0])].tolist()
+        toks = plain.result(state, p.tokens.shape[1]).tokens[0]
         return {"tokens": toks, "prefill_s": t1 - t0, "decode_s": t2 - t1, "seconds": t2 - t0,
                 "steps": max(0, len(toks) - 1)}
 
     def speculative(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
-        import jax
-
-        from eagle_jax.decoding import speculative
-
-        n = max_new_tokens or self.max_new_tokens
-        p = speculative.prepare([ids], n, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
+        p = self.prepare(ids, max_new_tokens or self.max_new_tokens)
+        static = dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
         t0 = time.perf_counter()
-        state = jax.block_until_ready(speculative.prefill(
-            self.tparams, self.dparams, p.tokens, p.lengths, p.limits, jax.random.key(self.seed),
-            tcfg=self.tcfg, dcfg=self.dcfg, spec=self.spec, capacity=p.capacity))
+        state = jax.block_until_ready(speculative.prefill(self.tparams, self.dparams, p.tokens, p.lengths, p.limits,
+                                                          jax.random.key(self.seed), capacity=p.capacity, **static))
         t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, tcfg=self.tcfg,
-                                                 dcfg=self.dcfg, spec=self.spec))
+        state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, **static))
         t2 = time.perf_counter()
         res = speculative.result(state)
         return {"tokens": res.tokens[0], "accept_lengths": res.accept_lengths[0], "prefill_s": t1 - t0,
@@ -159,27 +146,21 @@ class Runner:
 
     def warm(self, ids: list[int]) -> None:
         """Compile the prompt's bucket for both decoders, prefill and every attention span (untimed)."""
-        import jax
-
-        from eagle_jax.decoding import plain as gen
-        from eagle_jax.decoding import speculative
-        from eagle_jax.models import kv_cache
-
-        b = gen.prompt_bucket(len(ids))
+        b = schedule.prompt_bucket(len(ids))
         if b in self._warm:
             return
-        p = speculative.prepare([ids], 1, self.spec, self.capacity_for(len(ids)), self.tcfg.pad_token_id or 0)
+        p = self.prepare(ids, 1)
         key, idle = jax.random.key(self.seed), p.limits * 0  # rows with no budget: every loop exits at once
-        cache, first = gen.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling,
-                                   capacity=p.capacity)
-        plain = gen.init_state(cache, first, idle, self.tcfg)
-        spec = speculative.prefill(self.tparams, self.dparams, p.tokens, p.lengths, idle, key, tcfg=self.tcfg,
-                              dcfg=self.dcfg, spec=self.spec, capacity=p.capacity)
-        for span in kv_cache.all_spans(p.capacity):
-            plain = gen.decode_span(self.tparams, plain, key, cfg=self.tcfg, sc=self.sampling, span=span)
-            spec = speculative.run_span(self.tparams, self.dparams, spec, tcfg=self.tcfg, dcfg=self.dcfg, spec=self.spec,
-                                   span=span)
-        jax.block_until_ready((plain, spec))
+        static = dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
+        cache, first = plain.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling,
+                                     capacity=p.capacity)
+        plain_state = plain.init_state(cache, first, idle, self.tcfg)
+        spec_state = speculative.prefill(self.tparams, self.dparams, p.tokens, p.lengths, idle, key,
+                                         capacity=p.capacity, **static)
+        for span in schedule.all_spans(p.capacity):
+            plain_state = plain.decode_span(self.tparams, plain_state, key, cfg=self.tcfg, sc=self.sampling, span=span)
+            spec_state = speculative.run_span(self.tparams, self.dparams, spec_state, span=span, **static)
+        jax.block_until_ready((plain_state, spec_state))
         self._warm.add(b)
 
 
@@ -197,10 +178,8 @@ def summarise(records: list[dict], max_accept: int) -> dict:
     steps = sum(r["plain"]["steps"] for r in records)
     step_s = sum(r["plain"]["decode_s"] for r in records) / max(1, steps)
     acc = [a for r in records for a in r["spec"]["accept_lengths"]]
-    hist = np.bincount(np.asarray(acc, np.int64), minlength=max_accept + 1)[: max_accept + 1].astype(float)
-    reached = hist[::-1].cumsum()[::-1]
-    n_alpha = [round(float(reached[n] / reached[n - 1]), 4) if reached[n - 1] else None
-               for n in range(1, max_accept + 1)]
+    hist = acceptance.accept_histogram(acc, max_accept)
+    n_alpha = [None if a is None else round(a, 4) for a in acceptance.n_alpha(hist)]
     tps_spec = spec_tokens / spec_s if spec_s else 0.0
     tps_plain = plain_tokens / plain_s if plain_s else 0.0
     questions = {r["question_id"] for r in records}
@@ -220,7 +199,7 @@ def summarise(records: list[dict], max_accept: int) -> dict:
         "new_tokens_spec": spec_tokens,
         "new_tokens_plain": plain_tokens,
         "n_alpha": n_alpha,
-        "accept_histogram": hist.astype(int).tolist(),
+        "accept_histogram": hist,
         "mismatches": len(bad),
         "mismatched_questions": sorted(bad, key=str),
     }
@@ -230,22 +209,15 @@ def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
     """Milliseconds of one target forward over n new tokens (logits and argmax included) against a
     half-full cache, attending over the span decoding would use there: what verifying an n-node tree
     costs. Timed as `reps` forwards inside one jitted loop, so dispatch does not count."""
-    import jax
-    import jax.numpy as jnp
-
-    from eagle_jax.decoding.sampling import argmax
-    from eagle_jax.models import kv_cache
-    from eagle_jax.models import target as target_model
-
     ctx = min(256, runner.capacity // 2)
-    cache = kv_cache.set_lengths(target_model.init_cache(runner.tcfg, 1, runner.capacity), jnp.full((1,), ctx, jnp.int32))
+    cache = kv_cache.set_lengths(target.init_cache(runner.tcfg, 1, runner.capacity), jnp.full((1,), ctx, jnp.int32))
 
     @jax.jit
     def forwards(params, cache):
         def one(i, cache):
             tokens = jnp.full((1, n), i, jnp.int32)
-            out = target_model.forward(params, runner.tcfg, tokens, cache.lengths[:, None] + jnp.arange(n)[None], cache,
-                                       span=kv_cache.attention_span(ctx + n, runner.capacity))
+            out = target.forward(params, runner.tcfg, tokens, cache.lengths[:, None] + jnp.arange(n)[None], cache,
+                                       span=schedule.attention_span(ctx + n, runner.capacity))
             # lengths stay at ctx, but depend on the logits so that nothing is skipped
             return kv_cache.advance(out.cache, jnp.minimum(jnp.sum(argmax(out.logits)), 0)[None])
 
@@ -380,9 +352,6 @@ def calibration_questions(files: list[Path], args) -> list[dict]:
 
 
 def run_benchmark(args, log=print) -> dict:
-    import jax
-    from tqdm import tqdm
-
     files = [Path(q) for q in args.questions]
     sets = {f.stem: read_questions(f, args.limit) for f in files}
     tree = (args.total_tokens, args.depth, args.tree_top_k)
@@ -455,12 +424,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their last tokens")
-    ap.add_argument("--target", default=str(DEMO_TARGET))
-    ap.add_argument("--draft", default=str(DEMO_DRAFT))
+    ap.add_argument("--target", default=str(demo.TARGET))
+    ap.add_argument("--draft", default=str(demo.DRAFT))
     ap.add_argument("--chat-template", default=None, help="jinja file, if the tokenizer has no chat template")
-    ap.add_argument("--total-tokens", type=int, default=DEMO_TREE.total_tokens)
-    ap.add_argument("--depth", type=int, default=DEMO_TREE.depth)
-    ap.add_argument("--tree-top-k", type=int, default=DEMO_TREE.top_k)
+    ap.add_argument("--total-tokens", type=int, default=demo.TREE.total_tokens)
+    ap.add_argument("--depth", type=int, default=demo.TREE.depth)
+    ap.add_argument("--tree-top-k", type=int, default=demo.TREE.top_k)
     ap.add_argument("--auto-budget", action="store_true", help="pick the tree envelope by timing it here")
     ap.add_argument("--calibration-prompts", type=int, default=8, help="--auto-budget: prompts timed per tree")
     ap.add_argument("--json", default=None, help="output JSON (default runs/benchmark/<questions>.json); "
@@ -475,8 +444,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    from eagle_jax.errors import EagleError
-
     args = parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
     try:

@@ -29,25 +29,19 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
+from jax.sharding import Mesh
 
-from cli import command, presets
-from eagle_jax.decoding import plain, speculative
+from cli import command, demo, presets
+from eagle_jax.decoding import plain, programs, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.speculative import SpecConfig, SpecResult
+from eagle_jax.decoding.speculative import SpecResult
 from eagle_jax.decoding.tree import DynamicTree, StaticTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
-from eagle_jax.io import hf, store
-from eagle_jax.models import draft, target
-from eagle_jax.models.config import TargetConfig
-from eagle_jax.models.draft import KINDS, DraftConfig
-from eagle_jax.parallel.sharding import make_mesh, parse_mesh, shard_params
+from eagle_jax.io import loading
+from eagle_jax.models.config import DRAFT_KINDS, DraftConfig, TargetConfig
+from eagle_jax.parallel import sharding
 
 DEFAULT_MAX_NEW_TOKENS = 256
-REPO = Path(__file__).resolve().parent.parent
-DEMO_TARGET = REPO / "demo" / "target"
-DEMO_DRAFT = REPO / "demo" / "eagle3"
-DEMO_TREE = DynamicTree(total_tokens=5, depth=3, top_k=1)  # `infer.benchmark --auto-budget`'s pick on a 2-core CPU: a 4-token chain
-DEMO_PROMPT = "What are some tips for writing a good resume?"
 CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns do not recompile)
 
 
@@ -56,7 +50,7 @@ CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns d
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    spec: SpecConfig | None  # None: plain decoding
+    tree: TreeConfig | None  # None: plain decoding
     sampling: SamplingConfig
     max_new_tokens: int
     seed: int
@@ -81,10 +75,10 @@ def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
     if a.target is not None or a.config is not None:
         return a
     a = argparse.Namespace(**vars(a))
-    a.target, a.draft = str(DEMO_TARGET), a.draft or str(DEMO_DRAFT)
+    a.target, a.draft = str(demo.TARGET), a.draft or str(demo.DRAFT)
     a.dtype = a.dtype or "fp32"
     if a.prompt is None and a.prompt_file is None and a.prompt_ids is None:
-        a.prompt = [DEMO_PROMPT]
+        a.prompt = [demo.PROMPT]
     a.warmup = True
     a.compare = not a.no_spec
     a.demo = True
@@ -98,8 +92,9 @@ def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeCon
     if a.tree is not None:
         if dynamic:
             raise EagleError("--tree (a static tree) cannot be combined with --total-tokens/--depth/--tree-top-k")
-        return parse_static(a.tree)
-    base = preset.tree if preset is not None else DEMO_TREE if a.demo else DynamicTree()
+        with command.flag("--tree"):
+            return parse_static(a.tree)
+    base = preset.tree if preset is not None else demo.TREE if a.demo else DynamicTree()
     if not dynamic:
         return base
     return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic)
@@ -118,8 +113,8 @@ def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> 
         raise EagleError(f"--max-new-tokens {max_new} must be >= 1")
     if a.max_len is not None and a.max_len < 2:
         raise EagleError(f"--max-len {a.max_len} must be >= 2")
-    spec = None if a.no_spec else SpecConfig(tree_config(a, preset), sampling)
-    return Settings(spec, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
+    tree = None if a.no_spec else tree_config(a, preset)
+    return Settings(tree, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
 
 
 # ---------------------------------------------------------------- models
@@ -133,35 +128,20 @@ class Models:
     dparams: dict | None
     target_dir: Path
     draft_dir: Path | None
+    mesh: Mesh | None  # parameters sharded over it (generation runs the mesh programs), else one device
 
 
-def _on_devices(params: dict, specs: dict, mesh) -> dict:
-    """Host parameters onto the mesh by their logical axes, or onto the default device."""
-    return shard_params(params, specs, mesh) if mesh is not None else jax.device_put(params)
-
-
-def load_models(target_dir: Path, draft_dir: Path | None, kind: str | None, dtype, mesh) -> Models:
-    """Target and head from stores or HF / official directories, on the mesh (or the default device).
-
-    Stores restore straight onto the mesh; directories are read to host and then placed. The head is
-    cast to the target's floating dtype.
-    """
-    if store.is_store(target_dir):
-        tcfg, tparams = store.load_target_store(target_dir, dtype, mesh)
-    else:
-        tcfg, tparams = hf.load_target(target_dir, dtype)
-    if mesh is None or not store.is_store(target_dir):
-        tparams = _on_devices(tparams, target.param_specs(tcfg), mesh)
+def load_models(target_dir: Path, draft_dir: Path | None, kind: str | None, dtype, mesh: Mesh | None) -> Models:
+    """Target and head on the mesh (or the default device); the head in the target's floating dtype."""
+    tcfg, tparams = loading.load_target(target_dir, dtype, mesh)
+    if mesh is None:
+        tparams = jax.device_put(tparams)
     if draft_dir is None:
-        return Models(tcfg, tparams, None, None, target_dir, None)
-    ddtype = tparams["embed"].dtype
-    if store.is_store(draft_dir):
-        dcfg, dparams = store.load_draft_store(draft_dir, tcfg, kind, ddtype, mesh)
-    else:
-        dcfg, dparams = draft.load_draft(draft_dir, tcfg, kind, ddtype)
-    if mesh is None or not store.is_store(draft_dir):
-        dparams = _on_devices(dparams, draft.param_specs(dcfg), mesh)
-    return Models(tcfg, tparams, dcfg, dparams, target_dir, draft_dir)
+        return Models(tcfg, tparams, None, None, target_dir, None, mesh)
+    dcfg, dparams = loading.load_draft(draft_dir, tcfg, kind, tparams["embed"].dtype, mesh)
+    if mesh is None:
+        dparams = jax.device_put(dparams)
+    return Models(tcfg, tparams, dcfg, dparams, target_dir, draft_dir, mesh)
 
 
 def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[Path, Path | None]:
@@ -173,7 +153,7 @@ def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[
         return target_dir, None
     if a.draft:
         return target_dir, Path(a.draft)
-    if store.is_store(target_dir) and store.read_manifest(target_dir).draft_config is not None:
+    if loading.holds_draft(target_dir):
         return target_dir, target_dir
     if preset is not None:
         return target_dir, preset.model_dir("draft", a.models)
@@ -181,19 +161,9 @@ def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[
 
 
 def load_tokenizer(target_dir: Path, chat_template: str | None):
-    """The target's tokenizer (from a store's tokenizer/ folder or the HF directory)."""
-    tok_dir = store.tokenizer_dir(target_dir) if store.is_store(target_dir) else target_dir
-    if tok_dir is None:
-        raise EagleError(f"{target_dir}: the store holds no tokenizer; use --prompt-ids")
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    except (OSError, ValueError) as exc:
-        raise EagleError(f"{tok_dir}: cannot load a tokenizer ({str(exc).strip().splitlines()[0]}); use --prompt-ids") from None
-    if tok.chat_template is None and chat_template is not None:
-        tok.chat_template = chat_template
-    return tok
+    """The target's tokenizer (from a store's tokenizer/ folder, the HF directory or a GGUF file)."""
+    with command.flag("--target", "use --prompt-ids"):
+        return loading.load_tokenizer(target_dir, chat_template)
 
 
 def encode(tok, messages: list[dict[str, str]], use_template: bool) -> list[int]:
@@ -216,43 +186,36 @@ class Outcome:
     seconds: float
 
 
-def plan_capacity(longest: int, max_new: int, overhead: int, max_len: int | None, max_positions: int) -> tuple[int, int]:
-    """(cache capacity, max_new_tokens clamped to it). The prompt must leave room for one cycle's tree."""
-    capacity = max_len or min(plain.default_capacity(plain.prompt_bucket(longest), max_new + overhead), max_positions)
-    usable = capacity - overhead
-    source = "--max-len" if max_len else "the model's max_position_embeddings"
-    if longest >= usable:
-        raise EagleError(
-            f"prompt of {longest} tokens does not fit the cache: {capacity} slots ({source}) minus {overhead} for "
-            f"a draft tree leave {usable}; raise --max-len or shorten the prompt"
-        )
-    if longest + max_new > usable:
-        command.warn(f"--max-new-tokens {max_new} clamped to {usable - longest}: the cache holds {capacity} tokens "
-                 f"({source}); raise --max-len to generate more")
-        max_new = usable - longest
-    return capacity, max_new
-
-
 def run_generation(m: Models, prompts: list[list[int]], s: Settings, on_new: Callable[[list[list[int]]], None] | None,
                    capacity: int | None = None) -> Outcome:
-    """Generate for every prompt; `on_new(new tokens per row)` is called as cycles are accepted."""
-    overhead = s.spec.cache_overhead if s.spec else 0
-    capacity, max_new = plan_capacity(max(map(len, prompts)), s.max_new_tokens, overhead, capacity or s.max_len,
-                                      m.tcfg.rope.max_position_embeddings)
+    """Generate for every prompt; `on_new(new tokens per row)` is called as cycles are accepted (once at the end
+    on a mesh or without streaming)."""
+    overhead = s.tree.cache_overhead if s.tree else 0
+    with command.hint("raise --max-len or shorten the prompt"):
+        p = schedule.plan([len(x) for x in prompts], s.max_new_tokens, overhead, capacity or s.max_len,
+                          m.tcfg.rope.max_position_embeddings)
     on_new = on_new or (lambda new: None)
+    args = (m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, s.max_new_tokens)
     t0 = time.perf_counter()
-    if s.spec is None:
-        res = plain.generate(m.tparams, m.tcfg, prompts, max_new, s.sampling, s.seed, capacity)
-        on_new(res.tokens)
+    if s.tree is None:
+        if m.mesh is None:
+            res = plain.generate(m.tparams, m.tcfg, prompts, s.max_new_tokens, s.sampling, s.seed, p.capacity)
+        else:
+            res = programs.generate_plain(m.tparams, m.tcfg, prompts, s.max_new_tokens, m.mesh, s.sampling, s.seed,
+                                          p.capacity)
         result = SpecResult(res.tokens, [[0] * len(t) for t in res.tokens], res.stop_reasons)
+        on_new(result.tokens)
+    elif m.mesh is not None:
+        result = programs.generate(*args, m.mesh, s.tree, s.sampling, s.seed, p.capacity)
+        on_new(result.tokens)
     elif s.stream:
-        for new, _, state in speculative.stream(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity):
+        for new, _, state in speculative.stream(*args, s.tree, s.sampling, s.seed, p.capacity):
             on_new(new)
         result = speculative.result(state)
     else:
-        result = speculative.generate(m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, max_new, s.spec, s.seed, capacity)
+        result = speculative.generate(*args, s.tree, s.sampling, s.seed, p.capacity)
         on_new(result.tokens)
-    return Outcome(result, [len(p) for p in prompts], max_new, capacity, time.perf_counter() - t0)
+    return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
 
 
 def generate_timed(m: Models, prompts: list[list[int]], s: Settings, on_new, capacity: int | None = None) -> Outcome:
@@ -295,8 +258,8 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
     """The --json document: the contract fields first, then statistics and settings."""
     r = o.result
     new, cycles = sum(r.new_tokens), sum(r.cycles)
-    max_accept = s.spec.tree.max_depth if s.spec else 0
-    tree = s.spec.tree if s.spec else None
+    max_accept = s.tree.max_depth if s.tree else 0
+    tree = s.tree
     return {
         "output_ids": r.tokens,
         "accept_lengths": r.accept_lengths,
@@ -306,7 +269,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
         "rows": [{"prompt_tokens": p, "new_tokens": n, "cycles": c, "tau": n / max(c, 1), "stop_reason": why}
                  for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)],
         "accept_histogram": r.accept_histogram(max_accept),
-        "n_alpha": r.n_alpha(max_accept) if s.spec else [],
+        "n_alpha": r.n_alpha(max_accept) if s.tree else [],
         "prompt_ids": prompts,
         "seconds": o.seconds,
         "tokens_per_s": new / o.seconds if o.seconds > 0 else None,
@@ -314,7 +277,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
             "target": str(m.target_dir),
             "draft": str(m.draft_dir) if m.draft_dir else None,
             "draft_kind": m.dcfg.kind if m.dcfg else None,
-            "speculative": s.spec is not None,
+            "speculative": s.tree is not None,
             "tree": None if tree is None else {"static_paths": [list(p) for p in tree.paths]} if isinstance(tree, StaticTree)
             else dataclasses.asdict(tree),
             "sampling": dataclasses.asdict(s.sampling),
@@ -346,7 +309,7 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
           + "; /exit or end of input quits", file=sys.stderr)
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     first = 1 if system else 0
-    overhead = s.spec.cache_overhead if s.spec else 0
+    overhead = s.tree.cache_overhead if s.tree else 0
     while True:
         try:
             line = input("> " if interactive else "")
@@ -368,7 +331,7 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
             continue
         outcome = generate_timed(m, [ids], s, TextStream(tok), capacity)
         print(flush=True)
-        print(stats_line(outcome, s.spec is not None), file=sys.stderr, flush=True)
+        print(stats_line(outcome, s.tree is not None), file=sys.stderr, flush=True)
         history.append({"role": "assistant", "content": tok.decode(outcome.result.tokens[0], skip_special_tokens=True)})
 
 
@@ -382,7 +345,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)")
     src.add_argument("--target", help="store directory, or Hugging Face model directory")
     src.add_argument("--draft", help="store directory, or official EAGLE head directory (default: the target store's head)")
-    src.add_argument("--draft-kind", choices=KINDS, help="assert the head kind (default: detected)")
+    src.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected)")
     src.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     src.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (default: preset, else one device)")
     inp = p.add_argument_group("input")
@@ -422,7 +385,8 @@ def _main(argv: Sequence[str] | None) -> int:
     a = demo_defaults(parse_args(argv))
     preset = presets.load_preset(a.config) if a.config else None
     mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)
-    parse_mesh(mesh_text)
+    with command.flag("--mesh"):
+        sharding.parse_mesh(mesh_text)
     s = settings_from_args(a, preset)
     ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else None
     prompt_file = None
@@ -437,8 +401,9 @@ def _main(argv: Sequence[str] | None) -> int:
             raise EagleError(f"{flag} needs a prompt (--prompt, --prompt-file or --prompt-ids)")
     target_dir, draft_dir = resolve_dirs(a, preset)
     dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else None))
-    mesh = make_mesh(mesh_text) if mesh_text else None
-    m = load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh)
+    with command.flag("--mesh"):
+        mesh = sharding.make_mesh(mesh_text) if mesh_text else None
+        m = load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh)
 
     tok = None
     if ids is None:
@@ -460,14 +425,14 @@ def _main(argv: Sequence[str] | None) -> int:
     single = len(prompts) == 1
     if a.demo:
         print(f"demo: {m.target_dir.name} + its {m.dcfg.kind.upper() if m.dcfg else 'no'} head; "
-              f"{'speculative' if s.spec else 'plain'} answer to: {texts[0] if texts else prompts[0]}", file=sys.stderr)
+              f"{'speculative' if s.tree else 'plain'} answer to: {texts[0] if texts else prompts[0]}", file=sys.stderr)
     printer = (TextStream(tok) if tok is not None else _print_ids) if single else None
     outcome = generate_timed(m, prompts, s, printer)
     if single:
         print(flush=True)
     else:
         show_rows(outcome, tok)
-    print(stats_line(outcome, s.spec is not None), file=sys.stderr, flush=True)
+    print(stats_line(outcome, s.tree is not None), file=sys.stderr, flush=True)
     doc = report(outcome, prompts, m, s, a)
     if a.compare:
         doc["compare"] = compare(m, prompts, s, outcome, tok)
@@ -487,7 +452,7 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
     answer and the speedup. Returns the figures for --json."""
     timed = dataclasses.replace(s, stream=False, warmup=True)
     spec = generate_timed(m, prompts, timed, None, shown.capacity)
-    base = generate_timed(m, prompts, dataclasses.replace(timed, spec=None), None, shown.capacity)
+    base = generate_timed(m, prompts, dataclasses.replace(timed, tree=None), None, shown.capacity)
     print("\nThe same with the target alone (plain decoding):")
     show_rows(base, tok)
     rate = lambda o: sum(o.result.new_tokens) / o.seconds  # noqa: E731

@@ -14,8 +14,9 @@ c = (speculative seconds / cycles) / (plain seconds / plain tokens) - 1. It also
         [--kind auto|eagle3|eagle1] [--threads 2] [--json OUT]
 
 This script is standalone: it imports neither eagle_jax nor anything else from this repository, and runs under
-the official code's own environment. On a machine shared with other work, prefix ``OMP_WAIT_POLICY=PASSIVE``:
-torch's spinning OpenMP threads made 2-thread timings 10-50x slower and erratic under contention.
+the official code's own environment. Threads: with 2 threads, other work on the same 2 cores made timings 10-50x
+slower and erratic (torch's OpenMP workers spin; OMP_WAIT_POLICY=PASSIVE avoids that but is 2-4x slower on an idle
+machine). ``--threads 1`` stayed stable under load and was within 10% of 2 threads on an idle machine.
 
 Setting up: fetch SafeAILab/EAGLE at commit cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b (the one the golden data was
 made with) into a folder outside this repository, e.g. ``git archive cb7e084 eagle | tar -x -C /work/scratch/EAGLE``.
@@ -35,7 +36,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,14 +67,14 @@ def head_kind(draft: Path) -> str:
     return "eagle3" if any(k.startswith("midlayer.") for k in keys) else "eagle1"
 
 
-def timed(fn, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[float, np.ndarray, int]:
+def timed(fn: Callable[..., Any], input_ids: torch.Tensor, max_new_tokens: int) -> tuple[float, np.ndarray, int]:
     """Seconds, output ids (prompt included) and idx + 1 (cycles, or plain steps) of one greedy generation."""
     start = time.perf_counter()
     ids, _, idx = fn(input_ids, temperature=0.0, max_new_tokens=max_new_tokens, log=True)
     return time.perf_counter() - start, ids[0].numpy(), int(idx) + 1
 
 
-def run_envelope(ea_model_cls, args: argparse.Namespace, kind: str, envelope: tuple[int, int, int],
+def run_envelope(ea_model_cls: Any, args: argparse.Namespace, kind: str, envelope: tuple[int, int, int],
                  prompts: list[torch.Tensor], ref: np.lib.npyio.NpzFile) -> dict:
     total, depth, top_k = envelope
     model = ea_model_cls.from_pretrained(

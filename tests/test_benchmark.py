@@ -84,13 +84,12 @@ def test_auto_budget_picks_the_fastest_tree(golden_with_template, tmp_path, monk
 def test_warm_up_compiles_every_span(golden_with_template):
     """After `Runner.warm`, timed runs of any prompt in the bucket compile nothing, across spans."""
     from eagle_jax.decoding import plain as gen
-    from eagle_jax.decoding import speculative
-    from eagle_jax.models import kv_cache
+    from eagle_jax.decoding import schedule, speculative
     from infer.benchmark import Runner
 
     runner = Runner(golden_with_template, GOLDEN / "eagle3", (8, 3, 2), 0.0, 200, 30)
     ids = runner.prompt([{"role": "user", "content": "Tell me about the sea."}])
-    assert len(kv_cache.all_spans(runner.capacity_for(len(ids)))) >= 2
+    assert len(schedule.all_spans(runner.capacity_for(len(ids)))) >= 2
     runner.warm(ids)
     programs = (gen.prefill, gen.decode_span, speculative.prefill, speculative.run_span)
     before = [f._cache_size() for f in programs]
@@ -117,9 +116,8 @@ def test_demo_pair_lossless():
     from eagle_jax.decoding import speculative
     from eagle_jax.decoding.plain import generate
     from eagle_jax.decoding.tree import DynamicTree
-    from eagle_jax.io.hf import load_target
-    from eagle_jax.models.draft import load_draft
-    from infer.generate import DEMO_TREE
+    from eagle_jax.io.loading import load_draft, load_target
+    from cli.demo import TREE as DEMO_TREE
 
     tcfg, tparams = load_target(DEMO / "target")
     dcfg, dparams = load_draft(DEMO / "eagle3", tcfg)
@@ -130,6 +128,6 @@ def test_demo_pair_lossless():
     ids = tok(text, add_special_tokens=False)["input_ids"]
     plain = generate(tparams, tcfg, [ids], 64)
     for tree in (DEMO_TREE, DynamicTree(total_tokens=16, depth=4, top_k=4)):  # the demo's chain, a tree
-        spec = speculative.generate(tparams, tcfg, dparams, dcfg, [ids], 64, speculative.SpecConfig(tree=tree))
+        spec = speculative.generate(tparams, tcfg, dparams, dcfg, [ids], 64, tree)
         assert spec.tokens[0] == plain.tokens[0]
         assert spec.tau > 2.0  # the trained head gets most drafts accepted

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cli import presets
-from convert import torch_to_orbax
+from cli import demo, presets
+from eagle_jax.io import convert
 from eagle_jax.decoding import plain
-from eagle_jax.decoding.speculative import SpecConfig
 from eagle_jax.decoding.tree import DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
 from infer import generate as cli_generate
@@ -108,7 +107,7 @@ def test_batch_rows_static_tree(reference, tmp_path, capsys):
 
 def test_store_on_a_mesh(reference, tmp_path, capsys):
     """A converted store (target + head in one directory) restored onto data=2,tensor=4 gives the golden ids."""
-    ckpt = torch_to_orbax.convert(TARGET, EAGLE3, tmp_path / "store", progress=False)
+    ckpt = convert.convert(TARGET, EAGLE3, tmp_path / "store", progress=False)
     out = tmp_path / "mesh.json"
     code, _, err = in_process(["--target", str(ckpt), "--mesh", "data=2,tensor=4", "--prompt-ids",
                                ids_arg(prompt(reference, 3)), "--max-new-tokens", "12", "--total-tokens", "16",
@@ -126,7 +125,7 @@ def test_clamp_warning(reference, env, tmp_path):
     assert code == 0, err
     warnings = [line for line in err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "clamped to" in warnings[0]
-    clamped = 128 - SpecConfig().cache_overhead - len(prompt(reference, 0))
+    clamped = 128 - DynamicTree().cache_overhead - len(prompt(reference, 0))
     doc = json.loads((tmp_path / "c.json").read_text())
     assert doc["output_ids"] == [greedy(reference, 0, clamped)]
     assert doc["settings"]["max_new_tokens"] == clamped
@@ -154,10 +153,10 @@ def test_no_model_flags_run_the_demo(tmp_path, capsys):
     assert code == 0, err
     doc = json.loads(out.read_text())
     settings = doc["settings"]
-    assert settings["target"] == str(cli_generate.DEMO_TARGET) and settings["draft"] == str(cli_generate.DEMO_DRAFT)
-    assert settings["tree"] == dataclasses.asdict(cli_generate.DEMO_TREE) and settings["dtype"] == "float32"
+    assert settings["target"] == str(demo.TARGET) and settings["draft"] == str(demo.DRAFT)
+    assert settings["tree"] == dataclasses.asdict(demo.TREE) and settings["dtype"] == "float32"
     assert doc["compare"]["identical"] and doc["new_tokens"] == 12
-    assert err.splitlines()[0].startswith("demo: target + its EAGLE3 head") and cli_generate.DEMO_PROMPT in err
+    assert err.splitlines()[0].startswith("demo: target + its EAGLE3 head") and demo.PROMPT in err
 
 
 # ---------------------------------------------------------------- text and chat

@@ -15,13 +15,10 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from convert import orbax_to_torch, torch_to_orbax
 from eagle_jax.decoding import speculative
-from eagle_jax.decoding.speculative import SpecConfig
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
-from eagle_jax.io import store
-from eagle_jax.models import draft, target
+from eagle_jax.io import convert, official, store
 from eagle_jax.parallel import sharding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +30,7 @@ OFFICIAL_FILES = ["config.json", "model.safetensors", "pytorch_model.bin"]
 def stores(tmp_path_factory, golden_dir) -> dict[str, Path]:
     """The golden target with each golden head, converted once (float32, as in the files)."""
     root = tmp_path_factory.mktemp("stores")
-    return {k: torch_to_orbax.convert(golden_dir / "target", golden_dir / k, root / k, progress=False) for k in KINDS}
+    return {k: convert.convert(golden_dir / "target", golden_dir / k, root / k, progress=False) for k in KINDS}
 
 
 def _assert_same_official(got_dir: Path, gold_dir: Path, cast=None) -> None:
@@ -55,7 +52,7 @@ def _assert_same_official(got_dir: Path, gold_dir: Path, cast=None) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_round_trip_is_exact(kind, stores, golden_dir, tmp_path):
-    files = orbax_to_torch.export(stores[kind], tmp_path / "head")
+    files = official.export_store_head(stores[kind], tmp_path / "head")
     assert files == OFFICIAL_FILES
     _assert_same_official(tmp_path / "head", golden_dir / kind)
     assert json.loads((tmp_path / "head" / "config.json").read_text()) == json.loads((golden_dir / kind / "config.json").read_text())
@@ -94,12 +91,12 @@ def test_save_draft_exports_like_the_original(golden_dir, golden_target, tmp_pat
     """The training path: a head saved with store.save_draft exports to the official files."""
     tcfg, _ = golden_target
     for kind in KINDS:
-        _, params = draft.load_draft(golden_dir / kind, tcfg)
+        _, params = official.load_head(golden_dir / kind, tcfg)
         raw = json.loads((golden_dir / kind / "config.json").read_text())
         saved = store.save_draft(tmp_path / f"{kind}-run", raw, params)
         with pytest.raises(EagleError, match="holds no target"):
             store.load_target_store(saved)
-        orbax_to_torch.export(saved, tmp_path / f"{kind}-official")
+        official.export_store_head(saved, tmp_path / f"{kind}-official")
         _assert_same_official(tmp_path / f"{kind}-official", golden_dir / kind)
 
 
@@ -109,7 +106,7 @@ def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
     mesh = sharding.make_mesh(mesh_text)
     tcfg, host = store.load_target_store(stores["eagle3"])
     _, placed = store.load_target_store(stores["eagle3"], mesh=mesh)
-    shardings = sharding.param_shardings(target.param_specs(tcfg), mesh)
+    shardings = sharding.target_shardings(tcfg, mesh)
     for (path, x), want, ref in zip(jax.tree_util.tree_leaves_with_path(placed), jax.tree.leaves(shardings),
                                     jax.tree.leaves(host)):
         assert x.sharding.is_equivalent_to(want, x.ndim), jax.tree_util.keystr(path)
@@ -118,7 +115,7 @@ def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
     tensor = mesh.shape["tensor"]
     assert placed["embed"].addressable_shards[0].data.shape == (tcfg.vocab_size // tensor, tcfg.hidden_size)
     dcfg, dplaced = store.load_draft_store(stores["eagle3"], tcfg, mesh=mesh)
-    _, dhost = draft.load_draft(golden_dir / "eagle3", tcfg)
+    _, dhost = official.load_head(golden_dir / "eagle3", tcfg)
     assert dplaced["lm_head"].addressable_shards[0].data.shape == (dcfg.hidden_size, dcfg.draft_vocab_size // tensor)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, dplaced), dhost)
 
@@ -126,7 +123,7 @@ def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
 def _streamed(tparams, tcfg, dparams, dcfg, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
     """(tokens, accept lengths) of a streamed generation (the compiles test_engine's parity tests share)."""
     tokens, accepts = [], []
-    for new, _, state in speculative.stream(tparams, tcfg, dparams, dcfg, [prompt], n, SpecConfig(DynamicTree(16, 4, 4)),
+    for new, _, state in speculative.stream(tparams, tcfg, dparams, dcfg, [prompt], n, DynamicTree(16, 4, 4),
                                        capacity=256):
         tokens += new[0]
         accepts.append(int(state.accept_lengths[len(accepts), 0]))
@@ -136,7 +133,7 @@ def _streamed(tparams, tcfg, dparams, dcfg, prompt: list[int], n: int) -> tuple[
 @pytest.mark.parametrize("kind", KINDS)
 def test_generation_from_store_equals_directories(kind, stores, golden_dir, golden_target, reference):
     tcfg, tparams = golden_target
-    dcfg, dparams = draft.load_draft(golden_dir / kind, tcfg)
+    dcfg, dparams = official.load_head(golden_dir / kind, tcfg)
     scfg, stparams = store.load_target_store(stores[kind])
     sdcfg, sdparams = store.load_draft_store(stores[kind], scfg)
     assert (scfg, sdcfg) == (tcfg, dcfg)
@@ -148,14 +145,14 @@ def test_generation_from_store_equals_directories(kind, stores, golden_dir, gold
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_verify_against_torch(kind, stores, golden_dir):
-    diffs = torch_to_orbax.verify(stores[kind], golden_dir / "target", golden_dir / kind)
+    diffs = convert.verify(stores[kind], golden_dir / "target", golden_dir / kind)
     assert set(diffs) == {"target_logits", "draft_outputs", "draft_logits"}
     assert max(diffs.values()) < 1e-4, diffs
 
 
 def test_store_errors(stores, golden_dir, tmp_path):
     with pytest.raises(EagleError, match="already exists"):
-        torch_to_orbax.convert(golden_dir / "target", golden_dir / "eagle3", stores["eagle3"], progress=False)
+        convert.convert(golden_dir / "target", golden_dir / "eagle3", stores["eagle3"], progress=False)
     with pytest.raises(EagleError, match="EAGLE1 head but EAGLE3 was requested"):
         store.load_draft_store(stores["eagle1"], kind="eagle3")
     broken = tmp_path / "broken"

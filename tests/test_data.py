@@ -15,7 +15,7 @@ from eagle_jax.training import data
 
 @pytest.fixture(scope="module")
 def tokenizer(golden_dir, tmp_path_factory):
-    return data.load_tokenizer(templated_tokenizer_dir(golden_dir, tmp_path_factory.mktemp("tok")))
+    return data.chat_tokenizer(templated_tokenizer_dir(golden_dir, tmp_path_factory.mktemp("tok")))
 
 
 def sharegpt(*turns: tuple[str, str]) -> dict:
@@ -148,9 +148,9 @@ def test_ids_outside_target_vocab_rejected(tmp_path, tokenizer):
 
 def test_tokenizer_without_template(golden_dir, tmp_path):
     with pytest.raises(EagleError, match="no chat template"):
-        data.load_tokenizer(golden_dir / "target")
+        data.chat_tokenizer(golden_dir / "target")
     template = write(tmp_path / "t.jinja", TEMPLATE)
-    assert data.load_tokenizer(golden_dir / "target", template).chat_template == TEMPLATE
+    assert data.chat_tokenizer(golden_dir / "target", template).chat_template == TEMPLATE
 
 
 # ---------------------------------------------------------------- loss masks
@@ -183,7 +183,7 @@ def test_loss_mask_for_a_template_that_rewrites_the_last_turn(golden_dir, tmp_pa
         "{% else %}t4 {% if loop.last %}t7 {% endif %}{{ m['content'] }} t6 {% endif %}{% endfor %}"
         "{% if add_generation_prompt %}t4 {% endif %}"
     )
-    tok = data.load_tokenizer(templated_tokenizer_dir(golden_dir, tmp_path / "tok", template))
+    tok = data.chat_tokenizer(templated_tokenizer_dir(golden_dir, tmp_path / "tok", template))
     turns = [{"role": "user", "content": "t10"}, {"role": "assistant", "content": "t11 t12"},
              {"role": "user", "content": "t13"}, {"role": "assistant", "content": "t14"}]
     text, spans = data.render_with_spans(tok, turns, "conv")

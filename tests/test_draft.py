@@ -12,6 +12,7 @@ from safetensors.numpy import load_file, save_file
 from tiny import tiny_target_config
 
 from eagle_jax.errors import EagleError
+from eagle_jax.io import official
 from eagle_jax.models import draft, target
 
 TOP_K = {"t60_d7_k10": 10, "t16_d4_k4": 4}
@@ -21,12 +22,13 @@ TOP_K = {"t60_d7_k10": 10, "t16_d4_k4": 4}
 def test_level_one_matches_golden_first_tree(kind, golden_dir, golden_target, reference):
     """Level-1 nodes of the golden first tree are, in order, a prefix of the draft's top-k at the last position."""
     tcfg, tparams = golden_target
-    dcfg, dparams = draft.load_draft(golden_dir / kind, tcfg)
+    dcfg, dparams = official.load_head(golden_dir / kind, tcfg)
     assert dcfg.kind == kind
     for i in range(4):
         ids = jnp.asarray(reference[f"p{i}.input_ids"])[None]
         n = ids.shape[1]
-        out = target.forward(tparams, tcfg, ids, jnp.arange(n)[None], target.init_cache(tcfg, 1, n))
+        out = target.forward(tparams, tcfg, ids, jnp.arange(n)[None], target.init_cache(tcfg, 1, n),
+                             feature_layers=dcfg.feature_layers(tcfg))
         root = jnp.argmax(out.logits[:, -1], axis=-1)
         features = out.features if kind == "eagle3" else out.hidden
         tokens = jnp.concatenate([ids[:, 1:], root[:, None]], axis=1)  # feature t pairs with token t+1
@@ -43,12 +45,12 @@ def test_level_one_matches_golden_first_tree(kind, golden_dir, golden_target, re
 
 def test_eagle3_vocab_map_and_keys(golden_dir, golden_target):
     tcfg, _ = golden_target
-    dcfg, dparams = draft.load_draft(golden_dir / "eagle3", tcfg)
+    dcfg, dparams = official.load_head(golden_dir / "eagle3", tcfg)
     assert (dcfg.draft_vocab_size, dcfg.vocab_size, dcfg.has_vocab_map) == (256, 1024, True)
     raw = load_file(golden_dir / "eagle3" / "model.safetensors")
     used = np.nonzero(raw["t2d"])[0]
     np.testing.assert_array_equal(draft.to_target_ids(dparams, dcfg, jnp.arange(256)), used)
-    back = draft.tensors_from_params(dparams, dcfg)
+    back = official.tensors_from_params(dparams, dcfg)
     assert set(back) == set(raw)
     for key in raw:
         assert back[key].dtype == raw[key].dtype and back[key].shape == raw[key].shape
@@ -62,8 +64,8 @@ def test_bin_and_safetensors_load_the_same(golden_dir, golden_target, tmp_path):
     only_bin.mkdir()
     for name in ("config.json", "pytorch_model.bin"):
         shutil.copy(golden_dir / "eagle1" / name, only_bin / name)
-    _, from_bin = draft.load_draft(only_bin, tcfg)
-    _, from_st = draft.load_draft(golden_dir / "eagle1", tcfg)
+    _, from_bin = official.load_head(only_bin, tcfg)
+    _, from_st = official.load_head(golden_dir / "eagle1", tcfg)
     np.testing.assert_array_equal(from_bin["fc"], from_st["fc"])
     np.testing.assert_array_equal(from_bin["layers"][0]["mlp"]["down"], from_st["layers"][0]["mlp"]["down"])
     assert from_bin["layers"][0].keys() == from_st["layers"][0].keys()
@@ -89,7 +91,7 @@ def test_truncated_head_file(golden_dir, golden_target, tmp_path):
     head, _ = _copy_head(golden_dir, tmp_path)
     data = (golden_dir / "eagle3" / "model.safetensors").read_bytes()
     (head / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert "truncated" in _one_line_error(lambda: draft.load_draft(head, tcfg))
+    assert "truncated" in _one_line_error(lambda: official.load_head(head, tcfg))
 
 
 def test_renamed_key(golden_dir, golden_target, tmp_path):
@@ -97,7 +99,7 @@ def test_renamed_key(golden_dir, golden_target, tmp_path):
     head, tensors = _copy_head(golden_dir, tmp_path)
     tensors["midlayer.self_attn.q_proj.weightX"] = tensors.pop("midlayer.self_attn.q_proj.weight")
     save_file(tensors, head / "model.safetensors")
-    message = _one_line_error(lambda: draft.load_draft(head, tcfg))
+    message = _one_line_error(lambda: official.load_head(head, tcfg))
     assert "missing midlayer.self_attn.q_proj.weight" in message
     assert "unexpected midlayer.self_attn.q_proj.weightX" in message
 
@@ -107,32 +109,32 @@ def test_mis_shaped_key(golden_dir, golden_target, tmp_path):
     head, tensors = _copy_head(golden_dir, tmp_path)
     tensors["norm.weight"] = np.ones(64, np.float32)
     save_file(tensors, head / "model.safetensors")
-    assert "mis-shaped norm.weight (64,)" in _one_line_error(lambda: draft.load_draft(head, tcfg))
+    assert "mis-shaped norm.weight (64,)" in _one_line_error(lambda: official.load_head(head, tcfg))
 
 
 def test_head_for_another_target(golden_dir):
     wide = tiny_target_config("llama", vocab=1024, hidden=256, heads=4, kv_heads=2)
-    message = _one_line_error(lambda: draft.load_draft(golden_dir / "eagle3", wide))
+    message = _one_line_error(lambda: official.load_head(golden_dir / "eagle3", wide))
     assert "does not fit the target" in message and "256" in message and "128" in message
     other_vocab = tiny_target_config("llama", vocab=2048, hidden=128, heads=4, kv_heads=2)
-    assert "vocab_size 1024 vs target 2048" in _one_line_error(lambda: draft.load_draft(golden_dir / "eagle1", other_vocab))
+    assert "vocab_size 1024 vs target 2048" in _one_line_error(lambda: official.load_head(golden_dir / "eagle1", other_vocab))
 
 
 def test_forced_kind_mismatch(golden_dir, golden_target):
     tcfg, _ = golden_target
-    message = _one_line_error(lambda: draft.load_draft(golden_dir / "eagle1", tcfg, kind="eagle3"))
+    message = _one_line_error(lambda: official.load_head(golden_dir / "eagle1", tcfg, kind="eagle3"))
     assert "EAGLE1 head" in message and "EAGLE3 was requested" in message
-    assert draft.load_draft(golden_dir / "eagle1", tcfg, kind="eagle1")[0].kind == "eagle1"
+    assert official.load_head(golden_dir / "eagle1", tcfg, kind="eagle1")[0].kind == "eagle1"
 
 
 def test_missing_files(golden_dir, golden_target, tmp_path):
     tcfg, _ = golden_target
-    assert "not found" in _one_line_error(lambda: draft.load_draft(tmp_path / "nope", tcfg))
+    assert "not found" in _one_line_error(lambda: official.load_head(tmp_path / "nope", tcfg))
     head, _ = _copy_head(golden_dir, tmp_path)
-    assert "no weights found" in _one_line_error(lambda: draft.load_draft(head, tcfg))
+    assert "no weights found" in _one_line_error(lambda: official.load_head(head, tcfg))
     (head / "config.json").unlink()
     save_file(load_file(golden_dir / "eagle3" / "model.safetensors"), head / "model.safetensors")
-    assert "config.json: file not found" in _one_line_error(lambda: draft.load_draft(head, tcfg))
+    assert "config.json: file not found" in _one_line_error(lambda: official.load_head(head, tcfg))
 
 
 def test_eagle1_bias_flag(golden_dir, golden_target, tmp_path):
@@ -143,7 +145,7 @@ def test_eagle1_bias_flag(golden_dir, golden_target, tmp_path):
     cfg["bias"] = False
     (head / "config.json").write_text(json.dumps(cfg))
     save_file(tensors, head / "model.safetensors")
-    assert "unexpected fc.bias" in _one_line_error(lambda: draft.load_draft(head, tcfg))
+    assert "unexpected fc.bias" in _one_line_error(lambda: official.load_head(head, tcfg))
     del cfg["bias"]
     (head / "config.json").write_text(json.dumps(cfg))
-    assert "fc_bias" in draft.load_draft(head, tcfg)[1]
+    assert "fc_bias" in official.load_head(head, tcfg)[1]

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from tiny import FAMILIES, tiny_draft, tiny_target, with_eos
 
-from eagle_jax.decoding import plain, speculative
+from eagle_jax.decoding import plain, schedule, speculative
+from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.speculative import SpecConfig
 from eagle_jax.decoding.tree import DynamicTree, StaticTree
-from eagle_jax.models import draft
+from eagle_jax.io import loading
 
 SETTINGS = {"t60_d7_k10": DynamicTree(60, 7, 10), "t16_d4_k4": DynamicTree(16, 4, 4)}
 
@@ -21,7 +21,21 @@ SETTINGS = {"t60_d7_k10": DynamicTree(60, 7, 10), "t16_d4_k4": DynamicTree(16, 4
 @pytest.fixture(scope="module")
 def heads(golden_dir, golden_target):
     tcfg, _ = golden_target
-    return {kind: draft.load_draft(golden_dir / kind, tcfg) for kind in ("eagle3", "eagle1")}
+    return {kind: loading.load_draft(golden_dir / kind, tcfg) for kind in ("eagle3", "eagle1")}
+
+
+def leaf_paths(tr: trees.Tree) -> np.ndarray:
+    """Upstream's retrieve indices [B, N, D+2]: root-to-leaf node lists, leaves in ascending node order,
+    padded with -1 (columns past a leaf's depth and rows past the last leaf)."""
+    mask, depths, parents = np.asarray(tr.mask), np.asarray(tr.depths), np.asarray(tr.parents)
+    b, n = depths.shape
+    out = -np.ones((b, n, int(depths.max()) + 1), np.int64)
+    for row in range(b):
+        leaves = [j for j in range(n) if not np.any(parents[row, 1:] == j)]
+        for r, leaf in enumerate(leaves):
+            for node in np.flatnonzero(mask[row, leaf]):
+                out[row, r, depths[row, node]] = node
+    return out
 
 
 @pytest.mark.parametrize("head", ["eagle3", "eagle1"])
@@ -33,11 +47,12 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
     """
     tcfg, tparams = golden_target
     dcfg, dparams = heads[head]
-    spec = SpecConfig(SETTINGS[setting])
+    spec = SETTINGS[setting]
     prompts = [reference[f"p{i}.input_ids"].tolist() for i in range(4)]
     tokens = [[] for _ in prompts]
     acc = [[] for _ in prompts]
     for c, (new, tr, state) in enumerate(speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 64, spec)):
+        paths = leaf_paths(tr)
         for i in range(4):
             if not new[i]:
                 continue
@@ -45,11 +60,11 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
             rows, cols = reference[pre + "cycle_retrieve_shape"][c]
             np.testing.assert_array_equal(tr.tokens[i], reference[pre + "cycle_draft_tokens"][c], f"{pre} cycle {c}")
             np.testing.assert_array_equal(tr.depths[i], reference[pre + "cycle_tree_position_ids"][c])
-            np.testing.assert_array_equal(tr.paths[i, :rows, :cols], reference[pre + "cycle_retrieve_indices"][c, :rows, :cols])
-            assert np.all(np.asarray(tr.paths[i, rows:]) == -1) and np.all(np.asarray(tr.paths[i, :, cols:]) == -1)
+            np.testing.assert_array_equal(paths[i, :rows, :cols], reference[pre + "cycle_retrieve_indices"][c, :rows, :cols])
+            assert np.all(np.asarray(paths[i, rows:]) == -1) and np.all(np.asarray(paths[i, :, cols:]) == -1)
             if c == 0:
                 np.testing.assert_array_equal(tr.mask[i], reference[pre + "tree0.tree_mask"][0, 0] > 0)
-                np.testing.assert_array_equal(tr.paths[i, :rows, :cols], reference[pre + "tree0.retrieve_indices"])
+                np.testing.assert_array_equal(paths[i, :rows, :cols], reference[pre + "tree0.retrieve_indices"])
             tokens[i] += new[i]
             acc[i].append(int(state.accept_lengths[c, i]))
     for i, prompt in enumerate(prompts):
@@ -65,16 +80,16 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
 def test_while_loop_equals_stream(heads, golden_target, reference):
     tcfg, tparams = golden_target
     dcfg, dparams = heads["eagle3"]
-    spec = SpecConfig(SETTINGS["t16_d4_k4"])
+    spec = SETTINGS["t16_d4_k4"]
     prompt = reference["p2.input_ids"].tolist()
     res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 40, spec)
     streamed = list(speculative.stream(tparams, tcfg, dparams, dcfg, [prompt], 40, spec))
     assert res.tokens[0] == [t for new, _, _ in streamed for t in new[0]]
     assert len(res.tokens[0]) == 40
     assert res.cycles == [len(streamed)]
-    hist = res.accept_histogram(spec.tree.max_depth)
+    hist = res.accept_histogram(spec.max_depth)
     assert sum(hist) == res.cycles[0] and res.tau == 40 / res.cycles[0]
-    alphas = res.n_alpha(spec.tree.max_depth)
+    alphas = res.n_alpha(spec.max_depth)
     assert alphas[0] is not None and 0 <= alphas[0] <= 1
 
 
@@ -103,7 +118,7 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
     dcfg, dparams = tiny_draft(kind, tcfg, seed=seed + 1, draft_vocab=32 if kind == "eagle3" else None)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, 48, size=n).tolist() for n in (9, 3, 1, 17)][:batch]
-    res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 24, SpecConfig(envelope))
+    res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 24, envelope)
     assert res.tokens == _plain(tparams, tcfg, prompts, 24)
     assert all(0 <= a <= envelope.max_depth for row in res.accept_lengths for a in row)
     assert sum(a for row in res.accept_lengths for a in row) > 0  # some drafts were accepted
@@ -112,24 +127,23 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
 def test_growing_attention_spans_are_lossless(monkeypatch):
     """300 new tokens for rows of different lengths cross spans 128 -> 256 -> 384: speculative output
     equals plain greedy, streamed or looped, and plain greedy in segments equals one whole-cache loop."""
-    from eagle_jax.models import kv_cache
-
     spans = []
-    schedule = kv_cache.attention_span
-    monkeypatch.setattr(kv_cache, "attention_span", lambda n, cap: spans.append(schedule(n, cap)) or spans[-1])
+    pick = schedule.attention_span
+    monkeypatch.setattr(schedule, "attention_span", lambda n, cap: spans.append(pick(n, cap)) or spans[-1])
     tcfg, tparams = tiny_target("llama", seed=7, vocab=48)
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=8, draft_vocab=32)
     prompts = [[5, 6, 7, 8, 9] * 6, [3, 1]]
     want = _plain(tparams, tcfg, prompts, 300)
     assert sorted(set(spans)) == [128, 256, 384]
-    spec = SpecConfig(DynamicTree(8, 4, 2))
+    spec = DynamicTree(8, 4, 2)
     assert speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 300, spec).tokens == want
     streamed = [[] for _ in prompts]
     for new, _, _ in speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 300, spec):
         for row, toks in zip(streamed, new):
             row.extend(toks)
     assert streamed == want
-    tokens, lengths, limits, capacity = plain.prepare_prompts(prompts, 300, None)
+    p = schedule.prepare(prompts, 300)
+    tokens, lengths, limits, capacity = p.tokens, p.lengths, p.limits, p.capacity
     key = jax.random.key(0)
     cache, first = plain.prefill(tparams, tokens, lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=capacity)
     whole = plain.decode_span(tparams, plain.init_state(cache, first, limits, tcfg), key, cfg=tcfg,
@@ -146,7 +160,7 @@ def test_eos_and_budget_per_row():
     tcfg_eos = with_eos(tcfg, (eos,))
     expected = _plain(tparams, tcfg_eos, prompts, 30)
     assert expected[0][-1] == eos and len(expected[0]) <= 8
-    res = speculative.generate(tparams, tcfg_eos, dparams, dcfg, prompts, 30, SpecConfig(DynamicTree(16, 4, 4)))
+    res = speculative.generate(tparams, tcfg_eos, dparams, dcfg, prompts, 30, DynamicTree(16, 4, 4))
     assert res.tokens == expected
     assert res.stop_reasons[0] == "eos"
 
@@ -207,7 +221,7 @@ def test_sampling_lossless(sc):
     prompt = [1, 4, 2]
     exact = _exact_joint(tparams, tcfg, prompt, sc, n_tok)
     res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt] * n_rows, n_tok,
-                          SpecConfig(DynamicTree(8, 3, 3), sc), seed=5)
+                          DynamicTree(8, 3, 3), sc, seed=5)
     assert sum(a > 0 for row in res.accept_lengths for a in row) > n_rows // 4  # drafts do get accepted
     counts = _joint_counts(res.tokens, vocab, n_tok)
     assert _chi2_pvalue(counts, exact) > 1e-3
@@ -220,7 +234,7 @@ def test_no_compile_after_warmup(heads, golden_target):
     """A second prompt length in the same bucket and more cycles compile nothing."""
     tcfg, tparams = golden_target
     dcfg, dparams = heads["eagle3"]
-    spec = SpecConfig(DynamicTree(16, 4, 4))
+    spec = DynamicTree(16, 4, 4)
     speculative.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3]], 20, spec)
     before = (speculative.prefill._cache_size(), speculative.run_span._cache_size())
     speculative.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3, 7, 8, 11]], 40, spec)

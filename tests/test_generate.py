@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.decoding import plain as gen
+from eagle_jax.decoding import schedule
 from eagle_jax.decoding.sampling import SamplingConfig, argmax, processed_probs, sample
 from eagle_jax.errors import EagleError
 from eagle_jax.io import hf
@@ -102,8 +103,8 @@ def test_capacity_errors_and_clamping(golden_target, golden_prompts, reference):
 
 def test_prompt_bucket():
     lengths = (1, 16, 17, 24, 25, 32, 33, 48, 49, 65, 97, 100, 300)
-    assert [gen.prompt_bucket(n) for n in lengths] == [16, 16, 24, 24, 32, 32, 48, 48, 64, 96, 128, 128, 384]
-    assert gen.prompt_bucket(100, capacity=120) == 120
+    assert [schedule.prompt_bucket(n) for n in lengths] == [16, 16, 24, 24, 32, 32, 48, 48, 64, 96, 128, 128, 384]
+    assert schedule.prompt_bucket(100, capacity=120) == 120
 
 
 # --- sampling --------------------------------------------------------------------------------

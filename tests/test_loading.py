@@ -17,8 +17,9 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 from eagle_jax.errors import EagleError  # noqa: E402
 from eagle_jax.io import hf  # noqa: E402
 from eagle_jax.models import target  # noqa: E402
-from eagle_jax.models.config import load_target_config, target_config_from_hf  # noqa: E402
-from eagle_jax.models.params import flatten_dict  # noqa: E402
+from eagle_jax.io.hf import load_target_config  # noqa: E402
+from eagle_jax.models.config import target_config_from_hf  # noqa: E402
+from eagle_jax.models.params import flatten  # noqa: E402
 
 SMALL = dict(
     vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -50,7 +51,7 @@ def llama(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference_params(llama):
-    return flatten_dict(hf.load_target(llama[1])[1])
+    return flatten(hf.load_target(llama[1])[1])
 
 
 def _copy(src, dst):
@@ -67,7 +68,7 @@ def _raises_one_line(match: str, fn, *args, **kwargs) -> str:
 
 
 def _assert_same(params, reference):
-    flat = flatten_dict(params)
+    flat = flatten(params)
     assert flat.keys() == reference.keys()
     for k in flat:
         np.testing.assert_array_equal(flat[k], reference[k], err_msg=k)
@@ -149,7 +150,7 @@ def test_half_precision_weights(llama, reference_params, tmp_path, torch_dtype, 
         half.save_pretrained(tmp_path)
         path = tmp_path
     cfg, params = hf.load_target(path)
-    flat = flatten_dict(params)
+    flat = flatten(params)
     for k, v in flat.items():
         assert v.dtype.name == np_name, (k, v.dtype)
     # the stored values are exactly the rounded fp32 weights
@@ -163,7 +164,7 @@ def test_half_precision_weights(llama, reference_params, tmp_path, torch_dtype, 
 
     # an explicit dtype casts on load
     _, as32 = hf.load_target(path, dtype=np.float32)
-    assert all(v.dtype == np.float32 for v in flatten_dict(as32).values())
+    assert all(v.dtype == np.float32 for v in flatten(as32).values())
 
     # and the half-precision model still computes the fp32 model's logits, roughly
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 8)))

@@ -14,15 +14,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from tiny import tiny_draft, tiny_target
 
+from cli import plan
 from eagle_jax.decoding import plain, programs, speculative
-from eagle_jax.decoding.speculative import SpecConfig
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed, sharding
-from eagle_jax.training import objective
-from infer import plan
+from eagle_jax.training import objective, step
 
-SPEC = SpecConfig(DynamicTree(8, 2, 3))
+SPEC = DynamicTree(8, 2, 3)
 MESHES = ["tensor=4,data=2", "tensor=8", "data=8"]
 
 
@@ -75,7 +74,7 @@ def test_placements(models):
     assert split.out.spec == P(rows, None) and split.accept_lengths.spec == P(None, rows) and split.key.spec == P()
     replicated_kv = programs.cache_shardings(tcfg.num_kv_heads, sharding.make_mesh("tensor=8"))
     assert replicated_kv.k.spec == P(None, rows, None, None, None)
-    tsh = programs.target_shardings(tcfg, sharding.make_mesh("tensor=8"))
+    tsh = sharding.target_shardings(tcfg, sharding.make_mesh("tensor=8"))
     assert tsh["layers"]["q"].spec == P(None, None, "tensor")
     assert tsh["layers"]["k"].spec == P(None, None, None)  # 4 kv heads < tensor=8: replicated, not cut inside a head
     assert tsh["layers"]["mlp"]["down"].spec == P(None, "tensor", None)
@@ -94,16 +93,16 @@ def test_ttt_loss_sharded_equals_single_device(models):
     loss_mask = attn * (np.arange(t)[None, :] >= 3)
 
     def step(tparams, dparams, ids, attn, loss_mask):
-        features, logits = objective.target_batch(tparams, tcfg, ids, attn)
+        features, logits = objective.target_batch(tparams, tcfg, ids, attn, dcfg.feature_layers(tcfg))
         return objective.ttt_value_and_grad(dparams, dcfg, tparams["embed"], features, logits, ids, attn, loss_mask, steps=3)
 
     want = jax.jit(step)(tparams, dparams, ids, attn, loss_mask)
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
-    programs.check_mesh(mesh, tcfg, dcfg, b)
-    tsh, dsh = programs.target_shardings(tcfg, mesh), programs.draft_shardings(dcfg, mesh)
+    sharding.check_mesh(mesh, tcfg, dcfg, b)
+    tsh, dsh = sharding.target_shardings(tcfg, mesh), sharding.draft_shardings(dcfg, mesh)
     rows = NamedSharding(mesh, sharding.partition_spec(("batch", None)))
     sharded = jax.jit(step, in_shardings=(tsh, dsh, rows, rows, rows))
-    args = (programs.place(tparams, tsh), programs.place(dparams, dsh), *(sharding.put(x, rows) for x in (ids, attn, loss_mask)))
+    args = (sharding.place(tparams, tsh), sharding.place(dparams, dsh), *(sharding.put(x, rows) for x in (ids, attn, loss_mask)))
     got = sharded(*args)
     assert args[0]["layers"]["q"].sharding.spec == P(None, "fsdp", "tensor")
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
@@ -115,10 +114,10 @@ def test_ttt_loss_sharded_equals_single_device(models):
 
 
 @pytest.mark.parametrize("text, message", [
-    ("tensor=4,model=2", "bad --mesh entry 'model=2'"),
-    ("tensor=x", "bad --mesh entry 'tensor=x'"),
-    ("tensor=0", "bad --mesh entry 'tensor=0'"),
-    ("tensor", "bad --mesh entry 'tensor'"),
+    ("tensor=4,model=2", "bad mesh entry 'model=2'"),
+    ("tensor=x", "bad mesh entry 'tensor=x'"),
+    ("tensor=0", "bad mesh entry 'tensor=0'"),
+    ("tensor", "bad mesh entry 'tensor'"),
     ("tensor=2,tensor=4", "axis tensor is given twice"),
     ("tensor=3", "tensor=3 does not divide the 8 devices"),
     ("data=2,tensor=2", "needs 4 devices but 8 are available"),
@@ -143,19 +142,19 @@ def test_mesh_parser_accepts():
 def test_model_dimension_errors(change, mesh_text, message, models):
     tcfg = dataclasses.replace(models[0], **change)
     with pytest.raises(EagleError, match=message):
-        programs.check_mesh(sharding.make_mesh(mesh_text), tcfg)
+        sharding.check_mesh(sharding.make_mesh(mesh_text), tcfg)
 
 
 def test_batch_and_draft_errors(models):
     tcfg, _, dcfg, _ = models
-    with pytest.raises(EagleError, match=r"--mesh data=8 does not divide batch=6 of the inputs"):
-        programs.check_mesh(sharding.make_mesh("data=8"), tcfg, dcfg, batch=6)
-    with pytest.raises(EagleError, match=r"--mesh data=2,fsdp=2 does not divide batch=6"):
-        programs.check_mesh(sharding.make_mesh("data=2,fsdp=2,tensor=2"), tcfg, dcfg, batch=6)
+    with pytest.raises(EagleError, match=r"mesh data=8 does not divide batch=6 of the inputs"):
+        sharding.check_mesh(sharding.make_mesh("data=8"), tcfg, dcfg, batch=6)
+    with pytest.raises(EagleError, match=r"mesh data=2,fsdp=2 does not divide batch=6"):
+        sharding.check_mesh(sharding.make_mesh("data=2,fsdp=2,tensor=2"), tcfg, dcfg, batch=6)
     with pytest.raises(EagleError, match=r"tensor=8 does not divide draft_vocab=20 of the draft head"):
-        programs.check_mesh(sharding.make_mesh("tensor=8"), tcfg, dataclasses.replace(dcfg, draft_vocab_size=20))
+        sharding.check_mesh(sharding.make_mesh("tensor=8"), tcfg, dataclasses.replace(dcfg, draft_vocab_size=20))
     # fewer kv heads than tensor: replicated, not an error
-    programs.check_mesh(sharding.make_mesh("tensor=8"), dataclasses.replace(tcfg, num_kv_heads=2), dcfg, batch=1)
+    sharding.check_mesh(sharding.make_mesh("tensor=8"), dataclasses.replace(tcfg, num_kv_heads=2), dcfg, batch=1)
 
 
 # ---------------------------------------------------------------- multi-host start
@@ -216,8 +215,8 @@ def test_plan_cli(capsys, golden_dir):
 
 def test_plan_programs(models):
     tcfg, tparams, dcfg, _ = models
-    p = plan.plan_inference(tcfg, dcfg, sharding.make_mesh("tensor=8"), batch=1, max_len=128, dtype=np.float32,
-                            tree=SPEC.tree)
+    p = programs.plan_inference(tcfg, dcfg, sharding.make_mesh("tensor=8"), batch=1, max_len=128, dtype=np.float32,
+                                tree=SPEC)
     resident = dict(p.resident)
     # vocab, heads and MLP are split 8 ways; norms are replicated
     assert resident["target parameters"] < sum(x.size * 4 for x in jax.tree.leaves(tparams)) / 4
@@ -228,7 +227,7 @@ def test_plan_programs(models):
 
 def test_plan_training(models):
     tcfg, _, dcfg, _ = models
-    p = plan.plan_training(tcfg, dcfg, sharding.make_mesh("data=2,fsdp=2,tensor=2"), batch=4, seq_len=16, ttt_steps=1)
+    p = step.plan_training(tcfg, dcfg, sharding.make_mesh("data=2,fsdp=2,tensor=2"), batch=4, seq_len=16, ttt_steps=1)
     resident = dict(p.resident)
     vocab_map = 48 * 4 + 64  # d2t int32 [48], t2d bool [64], replicated
     assert resident["optimizer state"] >= 2 * (resident["draft parameters (f32 master)"] - vocab_map)
@@ -237,7 +236,7 @@ def test_plan_training(models):
 
 def test_plan_configs(tmp_path, golden_dir, monkeypatch):
     """Dimensions from a preset (built-in public values when its checkpoints are absent), a store, an HF directory."""
-    from convert.torch_to_orbax import convert
+    from eagle_jax.io.convert import convert
 
     monkeypatch.delenv("EAGLE_JAX_MODELS", raising=False)
     tcfg, dcfg, tree, dtype = plan.model_configs("llama3.3-70b-eagle3", models=str(tmp_path))

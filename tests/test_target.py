@@ -11,14 +11,17 @@ import numpy as np
 import pytest
 
 from eagle_jax.errors import EagleError
+from eagle_jax.decoding import schedule
 from eagle_jax.models import kv_cache, target
+from eagle_jax.models.config import default_eagle3_layers
 
 TOL = 1e-4
 N_PROMPTS = 4
+EAGLE3_LAYERS = default_eagle3_layers(8)  # the golden target's EAGLE-3 feature layers: (2, 4, 5)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "feature_layers"))
-def fwd(params, cfg, tokens, positions, cache, mask=None, offset=0, feature_layers=None):
+def fwd(params, cfg, tokens, positions, cache, mask=None, offset=0, feature_layers=EAGLE3_LAYERS):
     return target.forward(params, cfg, tokens, positions, cache, mask, offset, feature_layers)
 
 
@@ -64,13 +67,13 @@ def prompt(reference, i) -> np.ndarray:
 @pytest.mark.parametrize("i", range(N_PROMPTS))
 def test_golden_reference(model, reference, i):
     cfg, _ = model
-    assert cfg.eagle3_layers == (2, 4, 5)
+    assert EAGLE3_LAYERS == (2, 4, 5)
     out = full(model, prompt(reference, i)[None])
     h = cfg.hidden_size
     close(out.logits[0], reference[f"p{i}.logits"], f"p{i} logits")
     close(out.hidden[0], reference[f"p{i}.hidden_final_norm"], f"p{i} final norm")
     close(out.features[0], reference[f"p{i}.eagle3_fused"], f"p{i} eagle3 fused")
-    for j, layer in enumerate(cfg.eagle3_layers):
+    for j, layer in enumerate(EAGLE3_LAYERS):
         close(out.features[0, :, j * h:(j + 1) * h], reference[f"p{i}.hidden_layer{layer}_input"],
               f"p{i} input of layer {layer}")
 
@@ -127,7 +130,7 @@ def test_attention_span_equals_whole_cache(model, reference):
     cfg, params = model
     ids = reference["p3.greedy_ids"].astype(np.int32)[:24]
     ref = full(model, ids[None])
-    out = target.prefill(params, cfg, jnp.asarray(ids[None, :20]), 40)
+    out = target.prefill(params, cfg, jnp.asarray(ids[None, :20]), 40, EAGLE3_LAYERS)
     wide = fwd(params, cfg, jnp.asarray(ids[None, :20]), jnp.arange(20)[None], target.init_cache(cfg, 1, 40))
     assert out.cache.capacity == 40 and int(out.cache.lengths[0]) == 0
     close(out.hidden[0], wide.hidden[0], "prefill hidden")
@@ -141,10 +144,10 @@ def test_attention_span_equals_whole_cache(model, reference):
 
 
 def test_attention_span_schedule():
-    assert [kv_cache.attention_span(n, 1000) for n in (1, 128, 129, 300, 600)] == [128, 128, 256, 512, 1000]
-    assert kv_cache.attention_span(5, 64) == 64
+    assert [schedule.attention_span(n, 1000) for n in (1, 128, 129, 300, 600)] == [128, 128, 256, 512, 1000]
+    assert schedule.attention_span(5, 64) == 64
     for capacity in (1, 64, 128, 129, 384, 1000):
-        assert kv_cache.all_spans(capacity) == sorted({kv_cache.attention_span(n, capacity)
+        assert schedule.all_spans(capacity) == sorted({schedule.attention_span(n, capacity)
                                                        for n in range(1, capacity + 1)})
 
 

@@ -32,8 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 from eagle_jax.errors import EagleError  # noqa: E402
 from eagle_jax.io import hf  # noqa: E402
 from eagle_jax.models import target  # noqa: E402
-from eagle_jax.models.config import load_target_config  # noqa: E402
-from eagle_jax.models.params import flatten_dict  # noqa: E402
+from eagle_jax.io.hf import load_target_config  # noqa: E402
+from eagle_jax.models.config import default_eagle3_layers  # noqa: E402
+from eagle_jax.models.params import flatten  # noqa: E402
 
 BASE = dict(
     vocab_size=160,
@@ -158,6 +159,7 @@ def test_logits_hidden_features_match_transformers(name, saved):
     model, path = saved(name)
     _, _, _, seq_len, feature_layers = CASES[name]
     cfg, params = hf.load_target(path)
+    feature_layers = feature_layers if feature_layers is not None else default_eagle3_layers(cfg.num_layers)
     assert cfg.num_layers == model.config.num_hidden_layers
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, seq_len))
     ref_logits, ref_hidden = hf_outputs(model, tokens)
@@ -165,7 +167,7 @@ def test_logits_hidden_features_match_transformers(name, saved):
 
     assert_close(out.logits, ref_logits, f"{name} logits")
     assert_close(out.hidden, ref_hidden[-1], f"{name} final normed hidden")
-    layers = feature_layers if feature_layers is not None else cfg.eagle3_layers
+    layers = feature_layers
     assert len(set(layers)) == len(layers) >= 2
     ref_features = np.concatenate([ref_hidden[i] for i in layers], axis=-1)
     assert_close(out.features, ref_features, f"{name} features of layers {layers}")
@@ -223,7 +225,7 @@ def test_mixtral_both_expert_layouts(saved, tmp_path):
     save_file(state, str(fused_dir / "model.safetensors"))
     cfg2, fused = hf.load_target(fused_dir)
     assert cfg2 == cfg
-    flat_a, flat_b = flatten_dict(per_expert), flatten_dict(fused)
+    flat_a, flat_b = flatten(per_expert), flatten(fused)
     assert flat_a.keys() == flat_b.keys()
     for k in flat_a:
         np.testing.assert_array_equal(flat_a[k], flat_b[k], err_msg=k)

@@ -12,14 +12,21 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
+from convdata import (
+    chain_conversations,
+    next_token_table,
+    templated_target_dir,
+    write_jsonl,
+)
 from safetensors.numpy import load_file
 
 from eagle_jax.decoding import plain
-from eagle_jax.io import store
+from eagle_jax.io import loading, store
 from eagle_jax.models import draft, params
-from eagle_jax.training import data, objective
-from train import eagle3, regenerate
+from eagle_jax.models.config import eagle3_head_like
+from eagle_jax.training import data, objective, trainer
+from eagle_jax.training import regenerate as regeneration
+from train import eagle3
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--batch-size", "8", "--max-length", "64", "--ttt-steps", "3", "--lr", "1e-2", "--draft-vocab-size", "256", "--warmup", "3"]
@@ -82,12 +89,12 @@ def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdi
     official = load_file(str(golden_dir / "eagle3" / "model.safetensors"))
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {k: (v.shape, v.dtype) for k, v in official.items()}
     assert sorted(p.name for p in (out / "export").iterdir()) == ["config.json", "model.safetensors", "pytorch_model.bin"]
-    tcfg = eagle3.load_target(target_dir)[0]
-    dcfg, params = draft.load_draft(out / "export", tcfg)
-    assert dcfg == eagle3.head_config(tcfg, 256)
+    tcfg = loading.target_config(target_dir)
+    dcfg, head = loading.load_draft(out / "export", tcfg)
+    assert dcfg == eagle3_head_like(tcfg, 256)
     saved_map = np.load(out / "vocab_map.npz")
-    np.testing.assert_array_equal(params["d2t"], saved_map["d2t"])
-    np.testing.assert_array_equal(params["t2d"], saved_map["t2d"])
+    np.testing.assert_array_equal(head["d2t"], saved_map["d2t"])
+    np.testing.assert_array_equal(head["t2d"], saved_map["t2d"])
     counts = saved_map["counts"]
     assert counts[saved_map["t2d"]].min() >= counts[~saved_map["t2d"]].max()  # the most frequent answer tokens
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -112,10 +119,10 @@ def test_init_from_an_official_head(target_dir, golden_target, workdir, golden_d
 
 def test_export_formats_load_back(tmp_path, golden_target):
     tcfg, _ = golden_target
-    dcfg = eagle3.head_config(tcfg, 256)
+    dcfg = eagle3_head_like(tcfg, 256)
     head = params.init_params(draft.param_specs(dcfg), jax.random.key(0))
     head["d2t"], head["t2d"] = objective.build_vocab_map(np.arange(1024)[::-1], 256)
-    assert eagle3.export_head(head, dcfg, tcfg, tmp_path) == ["config.json", "model.safetensors", "pytorch_model.bin"]
+    assert trainer.export_head(head, dcfg, tcfg, tmp_path) == ["config.json", "model.safetensors", "pytorch_model.bin"]
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 256
     bin_only = tmp_path / "bin"
@@ -124,7 +131,7 @@ def test_export_formats_load_back(tmp_path, golden_target):
         (bin_only / name).write_bytes((tmp_path / "export" / name).read_bytes())
     expected = jax.device_get(head)
     for where in (tmp_path / "export", bin_only):
-        cfg, loaded = draft.load_draft(where, tcfg)
+        cfg, loaded = loading.load_draft(where, tcfg)
         assert cfg == dcfg
         jax.tree.map(np.testing.assert_array_equal, loaded, expected)
     cfg, loaded = store.load_draft_store(tmp_path / "head", tcfg)  # the orbax copy
@@ -155,7 +162,7 @@ def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_d
     base = ["--target", target_dir, "--data", train, "--out", tmp_path / "o", *TINY]
     cases = [
         (["--target", tmp_path / "none", "--data", train, "--out", tmp_path / "o"], "directory not found"),
-        ([*base, "--mesh", "data=two"], "bad --mesh entry 'data=two'"),
+        ([*base, "--mesh", "data=two"], "--mesh: bad mesh entry 'data=two'"),
         ([*base, "--mesh", "data=3"], "does not divide the 8 devices"),
         ([*base, "--mesh", "data=8", "--batch-size", "4"], "batch"),
         (["--target", target_dir, "--data", bad, "--out", tmp_path / "o"], f"{bad}: record 1: no 'conversations'"),
@@ -163,7 +170,7 @@ def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_d
         ([*base, "--steps", "0"], "--steps must be >= 1"),
         ([*base, "--tau-every", "5"], "--tau-every needs --tau-prompts"),
         (["--target", target_dir, "--out", tmp_path / "o"], "--data"),
-        ([*base, "--draft-vocab-size", "4096", "--mesh", "fsdp=8"], "--draft-vocab-size 4096 must be in 1..1024"),
+        ([*base, "--draft-vocab-size", "4096", "--mesh", "fsdp=8"], "--draft-vocab-size: draft vocabulary size 4096 must be in 1..1024"),
     ]
     for args, expected in cases:
         code, lines = run_main(*args)
@@ -204,8 +211,8 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_ones(target_dir, ch
     source = [json.loads(line) for line in chain_data[1].read_text().splitlines()][:3]
     rows = read_jsonl(out)
     assert len(rows) == 3
-    tokenizer = data.load_tokenizer(target_dir)
-    prompts = [regenerate.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
+    tokenizer = data.chat_tokenizer(target_dir)
+    prompts = [regeneration.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
                for r in source]
     expected = plain.generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos
     for row, src, tokens in zip(rows, source, expected):
@@ -220,4 +227,4 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_ones(target_dir, ch
 def test_regenerate_continues_after_complete_lines(tmp_path):
     out = tmp_path / "r.jsonl"
     out.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "conv')
-    assert regenerate.count_lines(out) == 2 and out.read_text() == '{"id": 1}\n{"id": 2}\n'
+    assert regeneration.count_lines(out) == 2 and out.read_text() == '{"id": 1}\n{"id": 2}\n'

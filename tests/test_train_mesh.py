@@ -6,13 +6,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
+from convdata import (
+    chain_conversations,
+    next_token_table,
+    templated_target_dir,
+    write_jsonl,
+)
 
 from eagle_jax.models import draft, params
+from eagle_jax.models.config import eagle3_head_like
 from eagle_jax.parallel import sharding
-from eagle_jax.training import data, objective
-from train import eagle3
-from train.eagle3 import RunConfig
+from eagle_jax.training import data, objective, step, trainer
 
 TTT_STEPS = 2
 
@@ -21,7 +25,7 @@ TTT_STEPS = 2
 def examples(golden_dir, golden_target, tmp_path_factory) -> list[data.Example]:
     tmp = tmp_path_factory.mktemp("mesh")
     path = write_jsonl(tmp / "train.jsonl", chain_conversations(next_token_table(*golden_target), 64, 40, seed=0))
-    tokenizer = data.load_tokenizer(templated_target_dir(golden_dir, tmp / "target"))
+    tokenizer = data.chat_tokenizer(templated_target_dir(golden_dir, tmp / "target"))
     return data.load_examples([path], tokenizer, 64, 1024)[0]
 
 
@@ -34,24 +38,24 @@ def fixed_batch(examples) -> data.Batch:
 def two_steps(golden_target, examples, fixed_batch):
     """Two optimiser steps of a fresh head on one fixed batch, on a given mesh -> per-step metrics."""
     tcfg, tparams = golden_target
-    dcfg = eagle3.head_config(tcfg, 256)
+    dcfg = eagle3_head_like(tcfg, 256)
     d2t, t2d = objective.build_vocab_map(data.token_counts(examples, 1024)[0], 256)
     trainable = jax.device_get(objective.split_trainable(params.init_params(draft.param_specs(dcfg), jax.random.key(0)))[0])
-    optimizer = eagle3.make_optimizer(RunConfig(target="", data=(), out="", steps=10, lr=1e-2, warmup=1))
+    optimizer = step.make_optimizer(1e-2, 1, 10)
 
     def run(mesh, bf16: bool = False) -> list[dict]:
         """bf16: target weights and draft compute in bfloat16 (as --bf16), fp32 master weights."""
         dtype = jnp.bfloat16 if bf16 else jnp.float32
-        sh = eagle3.make_shardings(tcfg, dcfg, optimizer, mesh, dtype)
-        step = eagle3.make_train_step(tcfg, dcfg, optimizer, TTT_STEPS, sh, dtype)
-        tr = eagle3.place(trainable, sh.trainable)
+        sh = step.make_shardings(tcfg, dcfg, optimizer, mesh)
+        train_step = step.make_train_step(tcfg, dcfg, optimizer, TTT_STEPS, sh, dtype)
+        tr = sharding.place(trainable, sh.trainable)
         opt = jax.jit(optimizer.init, out_shardings=sh.opt_state)(tr)
-        tp = eagle3.place(jax.tree.map(lambda x: x.astype(dtype), tparams), sh.target)
-        vm = eagle3.place({"d2t": d2t, "t2d": t2d}, sh.vocab_map)
-        batch = eagle3.place_batch(fixed_batch, sh)
+        tp = sharding.place(jax.tree.map(lambda x: x.astype(dtype), tparams), sh.target)
+        vm = sharding.place({"d2t": d2t, "t2d": t2d}, sh.vocab_map)
+        batch = trainer.place_batch(fixed_batch, sh)
         metrics = []
         for _ in range(2):
-            tr, opt, m = step(tr, opt, vm, tp, *batch)
+            tr, opt, m = train_step(tr, opt, vm, tp, *batch)
             metrics.append(jax.device_get(m))
         return metrics
 

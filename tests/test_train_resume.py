@@ -10,7 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
-from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
+from convdata import (
+    chain_conversations,
+    next_token_table,
+    templated_target_dir,
+    write_jsonl,
+)
 from test_train import ROOT, TINY, cli_env, read_jsonl, run_module
 
 

@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 from eagle_jax.errors import EagleError
+from eagle_jax.io import official
 from eagle_jax.models import draft
-from eagle_jax.models.config import RopeConfig
+from eagle_jax.models.config import DraftConfig, RopeConfig, default_eagle3_layers
 from eagle_jax.training import objective
 
 STATIC = ("dcfg", "steps", "step_weight")
@@ -37,7 +38,7 @@ def golden_ttt(golden_dir):
 
 @pytest.fixture(scope="module")
 def golden_head(golden_dir, golden_target):
-    return draft.load_draft(golden_dir / "eagle3", golden_target[0])
+    return official.load_head(golden_dir / "eagle3", golden_target[0])
 
 
 def _batch(z: dict) -> tuple:
@@ -57,8 +58,8 @@ def _flat_get(tree, name: str):
 def test_target_batch_matches_official(golden_target, golden_ttt):
     tcfg, tparams = golden_target
     z = golden_ttt
-    features, logits = jax.jit(objective.target_batch, static_argnums=1)(
-        tparams, tcfg, jnp.asarray(z["input_ids"]), jnp.asarray(z["attention_mask"])
+    features, logits = jax.jit(objective.target_batch, static_argnums=(1, 4))(
+        tparams, tcfg, jnp.asarray(z["input_ids"]), jnp.asarray(z["attention_mask"]), default_eagle3_layers(8)
     )
     np.testing.assert_allclose(features, z["hidden_states"], atol=1e-4, rtol=0)
     np.testing.assert_allclose(logits, z["target_logits"], atol=1e-4, rtol=0)
@@ -79,7 +80,7 @@ def test_ttt_matches_official(golden_target, golden_head, golden_ttt):
     np.testing.assert_array_equal(masks, z["step_position_mask"])
 
     # gradients: exactly the 13 trainable tensors, each within 1e-5 of its norm
-    ours = {theirs: (name, transposed) for name, (theirs, transposed) in draft.official_names(dcfg).items()}
+    ours = {theirs: (name, transposed) for name, (theirs, transposed) in official.official_names(dcfg).items()}
     assert sorted(map(str, z["param_names"])) == sorted(k for k in ours if k not in ("d2t", "t2d"))
     assert "d2t" not in grads and "t2d" not in grads
     norms = []
@@ -109,7 +110,7 @@ def test_rope_theta_comes_from_head_config(golden_dir, golden_target, golden_ttt
     cfg["rope_theta"] = 1e6
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     shutil.copy(golden_dir / "eagle3" / "model.safetensors", tmp_path)
-    dcfg, dparams = draft.load_draft(tmp_path, golden_target[0])
+    dcfg, dparams = official.load_head(tmp_path, golden_target[0])
     assert dcfg.rope.theta == 1e6
     z = golden_ttt
     embed = golden_target[1]["embed"]
@@ -128,7 +129,7 @@ def _np64(tree):
     return jax.tree.map(lambda x: np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else np.asarray(x), tree)
 
 
-def plain_ttt(P: dict, c: draft.DraftConfig, embed, features, target_logits, input_ids, attention_mask, loss_mask,
+def plain_ttt(P: dict, c: DraftConfig, embed, features, target_logits, input_ids, attention_mask, loss_mask,
               steps: int = 7, step_weight: float = 0.8) -> dict:
     """The objective as written in golden/README.md, one (step, row, position) at a time, in float64."""
     B, T = input_ids.shape
@@ -203,8 +204,8 @@ def plain_ttt(P: dict, c: draft.DraftConfig, embed, features, target_logits, inp
                 min_gap=min(gaps))
 
 
-def _random_head(rng: np.random.Generator, draft_vocab_size: int) -> tuple[draft.DraftConfig, dict]:
-    c = draft.DraftConfig(
+def _random_head(rng: np.random.Generator, draft_vocab_size: int) -> tuple[DraftConfig, dict]:
+    c = DraftConfig(
         kind="eagle3", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4, num_kv_heads=2,
         head_dim=4, rms_norm_eps=1e-6, rope=RopeConfig(theta=50.0), vocab_size=40,
         draft_vocab_size=draft_vocab_size, target_hidden_size=16,
@@ -305,7 +306,7 @@ def test_simulated_tau():
 
 
 def test_ttt_rejects_eagle1_config(golden_dir, golden_target):
-    c1, p1 = draft.load_draft(golden_dir / "eagle1", golden_target[0])
+    c1, p1 = official.load_head(golden_dir / "eagle1", golden_target[0])
     with pytest.raises(EagleError, match="EAGLE-3"):
         objective.ttt_loss(p1, c1, None, None, None, jnp.zeros((1, 4), jnp.int32), None, None)
 

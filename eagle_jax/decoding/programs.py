@@ -14,70 +14,34 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from eagle_jax.decoding import plain, speculative
+from eagle_jax.decoding import plain, schedule, speculative
 from eagle_jax.decoding.plain import DecodeState, GenerationResult
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.speculative import SpecConfig, SpecResult, SpecState
+from eagle_jax.decoding.speculative import SpecResult, SpecState
+from eagle_jax.decoding.tree import DynamicTree, TreeConfig
+from eagle_jax.errors import EagleError
 from eagle_jax.models import draft, target
-from eagle_jax.models.config import TargetConfig
-from eagle_jax.models.draft import DraftConfig
+from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.kv_cache import CACHE_AXES, KVCache
+from eagle_jax.models.params import with_dtype
 from eagle_jax.parallel import sharding
+from eagle_jax.parallel.memory import Plan, abstract, compile_program, compiler_name, device_bytes, mesh_text
+from eagle_jax.parallel.sharding import check_mesh, data_parallelism, draft_shardings, place, target_shardings
 
 PyTree = Any
 BATCH = ("batch",)
 
 
-def target_dims(tcfg: TargetConfig) -> dict[str, int]:
-    """Sizes of the target's split logical axes."""
-    return {"heads": tcfg.num_heads, "kv_heads": tcfg.num_kv_heads, "mlp": tcfg.intermediate_size,
-            "vocab": tcfg.vocab_size, "embed": tcfg.hidden_size}
-
-
-def draft_dims(dcfg: DraftConfig) -> dict[str, int]:
-    """Sizes of the draft head's split logical axes."""
-    dims = {"heads": dcfg.num_heads, "kv_heads": dcfg.num_kv_heads, "mlp": dcfg.intermediate_size,
-            "embed": dcfg.hidden_size}
-    return {**dims, "draft_vocab": dcfg.draft_vocab_size} if dcfg.kind == "eagle3" else dims
-
-
-def check_mesh(mesh: Mesh, tcfg: TargetConfig, dcfg: DraftConfig | None = None, batch: int | None = None) -> None:
-    """One-line EagleError when a mesh axis does not divide a model dimension or the batch.
-
-    kv heads fewer than `tensor` are replicated (`sharding.rules_for`), not an error.
-    """
-    sharding.check_dims(mesh, target_dims(tcfg), "target", sharding.rules_for(tcfg.num_kv_heads, mesh))
-    if dcfg is not None:
-        sharding.check_dims(mesh, draft_dims(dcfg), "draft head", sharding.rules_for(dcfg.num_kv_heads, mesh))
-    if batch is not None:
-        sharding.check_dims(mesh, {"batch": batch}, "inputs")
-
-
-def data_parallelism(mesh: Mesh) -> int:
-    """How many ways the batch is split."""
-    return math.prod(mesh.shape[a] for a in sharding.mesh_axes("batch"))
-
-
 def _named(mesh: Mesh, rules: dict, axes: tuple[str | None, ...]) -> NamedSharding:
     """Logical axes -> NamedSharding (sizes are assumed checked by `check_mesh`)."""
     return NamedSharding(mesh, sharding.partition_spec(axes, rules))
-
-
-def target_shardings(tcfg: TargetConfig, mesh: Mesh) -> PyTree:
-    """NamedShardings of the target parameter tree (kv projections replicated below tensor)."""
-    return sharding.param_shardings(target.param_specs(tcfg), mesh, sharding.rules_for(tcfg.num_kv_heads, mesh))
-
-
-def draft_shardings(dcfg: DraftConfig, mesh: Mesh) -> PyTree:
-    """NamedShardings of the draft head's parameter tree (vocabulary map replicated)."""
-    return sharding.param_shardings(draft.param_specs(dcfg), mesh, sharding.rules_for(dcfg.num_kv_heads, mesh))
 
 
 def cache_shardings(num_kv_heads: int, mesh: Mesh) -> KVCache:
@@ -123,12 +87,13 @@ class SpecPrograms:
 
 
 @functools.lru_cache(maxsize=16)
-def spec_programs(tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig, capacity: int, mesh: Mesh) -> SpecPrograms:
+def spec_programs(tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig, sampling: SamplingConfig, capacity: int,
+                  mesh: Mesh) -> SpecPrograms:
     check_mesh(mesh, tcfg, dcfg)
     tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh)
     ssh = spec_state_shardings(tcfg, dcfg, mesh)
     rows, replicated = ssh.counts, ssh.key
-    static = dict(tcfg=tcfg, dcfg=dcfg, spec=spec)
+    static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling)
     prefill = jax.jit(functools.partial(speculative.prefill, capacity=capacity, **static),
                       in_shardings=(tsh, dsh, rows, rows, rows, replicated), out_shardings=ssh)
     run = jax.jit(functools.partial(speculative.run_loop, **static), in_shardings=(tsh, dsh, ssh), out_shardings=ssh,
@@ -173,11 +138,6 @@ def _replicator(mesh: Mesh) -> Any:
     return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, sharding.partition_spec(())))
 
 
-def place(params: PyTree, shardings: PyTree) -> PyTree:
-    """Put host or device parameters where `shardings` says (a no-op for arrays already there)."""
-    return jax.tree.map(sharding.put, params, shardings)
-
-
 def _pad_rows(prompts: list[list[int]], mesh: Mesh, pad_id: int) -> list[list[int]]:
     """Append idle one-token rows until data * fsdp divides the batch."""
     return prompts + [[pad_id]] * (-len(prompts) % data_parallelism(mesh))
@@ -196,14 +156,14 @@ def _put_rows(x: np.ndarray, real: int, fill: int, where: NamedSharding) -> jax.
 
 
 def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftConfig, prompts: list[list[int]],
-             max_new_tokens: int, mesh: Mesh, spec: SpecConfig = SpecConfig(), seed: int = 0,
-             capacity: int | None = None) -> SpecResult:
+             max_new_tokens: int, mesh: Mesh, tree: TreeConfig = DynamicTree(),
+             sampling: SamplingConfig = SamplingConfig(), seed: int = 0, capacity: int | None = None) -> SpecResult:
     """`speculative.generate` on a mesh: the same tokens, with parameters and state sharded."""
     pad_id = tcfg.pad_token_id or 0
     rows = _pad_rows(prompts, mesh, pad_id)
     check_mesh(mesh, tcfg, dcfg, len(rows))
-    p = speculative.prepare(rows, max_new_tokens, spec, capacity, pad_id)
-    progs = spec_programs(tcfg, dcfg, spec, p.capacity, mesh)
+    p = speculative.prepare(rows, max_new_tokens, tree, tcfg, capacity)
+    progs = spec_programs(tcfg, dcfg, tree, sampling, p.capacity, mesh)
     n = len(prompts)
     tokens, lengths = (sharding.put(x, progs.rows) for x in (p.tokens, p.lengths))
     limits = _put_rows(p.limits, n, 0, progs.rows)
@@ -218,21 +178,50 @@ def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftCo
 def generate_plain(params: PyTree, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int, mesh: Mesh,
                    sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
                    capacity: int | None = None) -> GenerationResult:
-    """`generate.generate` on a mesh: the same tokens, with parameters and cache sharded."""
+    """`plain.generate` on a mesh: the same tokens, with parameters and cache sharded."""
     pad_id = cfg.pad_token_id or 0
     rows = _pad_rows(prompts, mesh, pad_id)
     check_mesh(mesh, cfg, batch=len(rows))
-    tokens, lengths, limits, capacity = plain.prepare_prompts(rows, max_new_tokens, capacity, pad_id)
-    progs = plain_programs(cfg, sampling, capacity, mesh)
+    p = schedule.prepare(rows, max_new_tokens, 0, capacity, cfg.rope.max_position_embeddings, pad_id)
+    progs = plain_programs(cfg, sampling, p.capacity, mesh)
     n = len(prompts)
     key = _key(seed, progs.replicated)
     params = place(params, progs.target)
-    cache, first = progs.prefill(params, sharding.put(tokens, progs.rows), sharding.put(lengths, progs.rows), key)
-    state = progs.decode(params, cache, first, _put_rows(limits, n, 0, progs.rows), key)
-    out, counts, eos = jax.device_get(_replicator(mesh)((state.out, state.counts, state.eos)))
-    return GenerationResult(
-        tokens=[out[row, :c].tolist() for row, c in enumerate(counts[:n])],
-        stop_reasons=["eos" if e else "length" for e in eos[:n]],
-        bucket=tokens.shape[1],
-        capacity=capacity,
+    cache, first = progs.prefill(params, sharding.put(p.tokens, progs.rows), sharding.put(p.lengths, progs.rows), key)
+    state = progs.decode(params, cache, first, _put_rows(p.limits, n, 0, progs.rows), key)
+    out, counts, eos = _replicator(mesh)((state.out, state.counts, state.eos))
+    res = plain.result(dataclasses.replace(state, out=out, counts=counts, eos=eos), p.tokens.shape[1])
+    return dataclasses.replace(res, tokens=res.tokens[:n], stop_reasons=res.stop_reasons[:n])
+
+
+def plan_inference(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, max_len: int, dtype: Any,
+                   tree: TreeConfig = DynamicTree(), prompt_len: int | None = None) -> Plan:
+    """Compile the sharded prefill (prompts [batch, prompt_len], default max_len) and generation loop with
+    abstract parameters; their memory per device."""
+    check_mesh(mesh, tcfg, dcfg, batch)
+    prompt_len = prompt_len or max_len
+    if not tree.cache_overhead < max_len or not 0 < prompt_len <= max_len:
+        raise EagleError(f"a cache of {max_len} slots must exceed one cycle's {tree.cache_overhead} slots and hold the "
+                         f"{prompt_len}-token prompt")
+    progs = spec_programs(tcfg, dcfg, tree, SamplingConfig(), max_len, mesh)
+    tparams = abstract(with_dtype(target.param_specs(tcfg), dtype), progs.target)
+    dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), progs.draft)
+    rows = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=progs.rows)  # noqa: E731
+    key = jax.ShapeDtypeStruct((), jax.eval_shape(jax.random.key, 0).dtype, sharding=progs.replicated)
+    inputs = (rows((batch, prompt_len)), rows((batch,)), rows((batch,)), key)
+    state = abstract(jax.eval_shape(progs.prefill, tparams, dparams, *inputs), progs.state)
+    caches = (state.target_cache, state.draft_cache)
+    resident = (
+        ("target parameters", device_bytes(tparams)),
+        ("draft parameters", device_bytes(dparams)),
+        ("target KV cache", device_bytes(state.target_cache)),
+        ("draft KV cache", device_bytes(state.draft_cache)),
+        ("other loop state", device_bytes(state) - device_bytes(caches)),
     )
+    compiled = (
+        compile_program(f"prefill ({prompt_len}-token prompts)", mesh, progs.prefill, tparams, dparams, *inputs),
+        compile_program("generation loop (cycles)", mesh, progs.run, tparams, dparams, state),
+    )
+    title = (f"inference: batch {batch}, max-len {max_len}, {jnp.dtype(dtype).name}, tree {tree}, "
+             f"mesh {mesh_text(mesh)}")
+    return Plan(title, mesh.size, compiler_name(mesh), resident, compiled)

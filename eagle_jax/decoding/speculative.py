@@ -2,22 +2,11 @@
 
 One jitted function runs a whole cycle with fixed shapes:
   draft tree (expand, rerank) -> target forward over the tree under the tree mask -> choose the
-  accepted path and the bonus token -> move the accepted target KV entries to contiguous slots
-  (rejected ones are dropped by length) -> feed the accepted features to the draft.
-Generation is a `lax.while_loop` over cycles with donated state, run in segments whose attention
-spans the smallest power-of-two multiple of 128 cache slots that holds every live row (a new span,
-compiled once, when the context outgrows it); `stream` drives the same jitted cycle from Python
-for terminal output.
-
-Acceptance. At every tree node the target's choice is drawn from its processed distribution p
-(argmax when greedy). A node is accepted when every node on its path equals the choice at its
-parent; the deepest accepted node ends the path and its choice is the bonus token. For sampling
-this is exactly upstream's EAGLE-2/3 rule with a deterministic draft (q = 1): trying the distinct
-children x_1, x_2, ... in order, accepting x_i with probability p(x_i) after zeroing and
-renormalising rejected ones, accepts x_i with total probability p(x_i) and, when all are
-rejected, samples the bonus from p restricted to the other tokens -- which is what one draw
-y ~ p followed by "move to the child whose token is y, else emit y" does. So the output
-distribution equals the target's (lossless), and greedy output equals plain greedy decoding.
+  accepted path and the bonus token (`acceptance`) -> move the accepted target KV entries to
+  contiguous slots (rejected ones are dropped by length) -> feed the accepted features to the draft.
+Generation is a `lax.while_loop` over cycles with donated state, run in segments over growing
+attention spans (`schedule.run_segments`); `stream` drives the same jitted cycle from Python for
+terminal output. The compiled programs depend on the tree envelope and the sampling rule (static).
 """
 
 from __future__ import annotations
@@ -30,40 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax.decoding import acceptance, schedule
 from eagle_jax.decoding import tree as trees
-from eagle_jax.decoding.plain import (
-    PAD_ID,
-    default_capacity,
-    is_eos,
-    live_span,
-    prepare_prompts,
-    prompt_bucket,
-    run_segments,
-)
+from eagle_jax.decoding.emit import PAD_ID, emit
 from eagle_jax.decoding.sampling import SamplingConfig, sample
 from eagle_jax.decoding.tree import Tree, TreeConfig
 from eagle_jax.models import draft, kv_cache, target
-from eagle_jax.models.config import TargetConfig
-from eagle_jax.models.draft import DraftConfig
+from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.kv_cache import KVCache
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecConfig:
-    """Static settings of one compiled engine: the tree envelope and the sampling rule."""
-
-    tree: TreeConfig = trees.DynamicTree()
-    sampling: SamplingConfig = SamplingConfig()
-
-    @property
-    def path_len(self) -> int:
-        """Most tokens one cycle appends (root + deepest draft level)."""
-        return self.tree.max_depth + 1
-
-    @property
-    def cache_overhead(self) -> int:
-        """Cache slots needed past the committed context during one cycle."""
-        return max(self.tree.num_nodes, self.tree.draft_window, self.path_len)
 
 
 @jax.tree_util.register_dataclass
@@ -106,19 +69,16 @@ class SpecResult:
 
     def accept_histogram(self, max_accept: int) -> list[int]:
         """Counts of accept lengths 0..max_accept over all rows and cycles."""
-        flat = [a for row in self.accept_lengths for a in row]
-        return np.bincount(np.asarray(flat, np.int64), minlength=max_accept + 1).tolist()
+        return acceptance.accept_histogram([a for row in self.accept_lengths for a in row], max_accept)
 
     def n_alpha(self, max_accept: int) -> list[float | None]:
         """Acceptance rate at depth n (1..max_accept) given that depths < n were accepted."""
-        hist = np.asarray(self.accept_histogram(max_accept), np.float64)
-        reached = hist[::-1].cumsum()[::-1]  # reached[n] = cycles with accept >= n
-        return [float(reached[n] / reached[n - 1]) if reached[n - 1] else None for n in range(1, max_accept + 1)]
+        return acceptance.n_alpha(self.accept_histogram(max_accept))
 
 
-def _features(kind: str, out: target.TargetOutput) -> jax.Array:
+def _features(dcfg: DraftConfig, out: target.TargetOutput) -> jax.Array:
     """What the head reads: EAGLE-3 the fused layer inputs, EAGLE-1 the final normed hidden state."""
-    return out.features if kind == "eagle3" else out.hidden
+    return out.features if dcfg.kind == "eagle3" else out.hidden
 
 
 def _expand_fn(dparams: dict, dcfg: DraftConfig, embed: jax.Array, head: jax.Array, k: int, span: int | None):
@@ -142,23 +102,23 @@ def _draft_context(dparams, dcfg, embed, cache: KVCache, tokens, features, count
     return last, kv_cache.advance(cache, count)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "capacity"))
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "capacity"))
 def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfig, dcfg: DraftConfig,
-            spec: SpecConfig, capacity: int) -> SpecState:
+            tree: TreeConfig, sampling: SamplingConfig, capacity: int) -> SpecState:
     """Prompts [B, P] right-padded with lengths [B] -> the state before the first cycle.
 
     The target fills its cache and picks the first root; the draft reads the pairs
     (feature_i, token_{i+1}) for i < length (the last token being the root).
     """
     b, p = tokens.shape
-    out = target.prefill(tparams, tcfg, tokens, capacity)
+    out = target.prefill(tparams, tcfg, tokens, capacity, dcfg.feature_layers(tcfg))
     rows = jnp.arange(b)
     last_hidden = out.hidden[rows, lengths - 1]
-    root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), spec.sampling)
+    root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), sampling)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, lengths - 1].set(root)
     dcache = draft.init_cache(dcfg, b, capacity, tparams["embed"].dtype)
-    draft_hidden, dcache = _draft_context(dparams, dcfg, tparams["embed"], dcache, shifted,
-                                          _features(dcfg.kind, out), lengths, span=p)
+    draft_hidden, dcache = _draft_context(dparams, dcfg, tparams["embed"], dcache, shifted, _features(dcfg, out),
+                                          lengths, span=p)
     return SpecState(
         target_cache=kv_cache.set_lengths(out.cache, lengths),
         draft_cache=dcache,
@@ -175,74 +135,49 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfi
     )
 
 
-def accept(tr: Tree, choice: jax.Array, path_len: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The deepest node whose every path node equals the target's choice at its parent.
-
-    choice [B, N] is the target's token after each node. Returns accept_len [B] (accepted draft
-    tokens), path [B, path_len] (root-to-node indices, 0 past accept_len) and the bonus token [B].
-    """
-    rows = jnp.arange(tr.tokens.shape[0])
-    agrees = (tr.tokens == jnp.take_along_axis(choice, tr.parents, axis=1)).at[:, 0].set(True)
-    accepted = jnp.all(jnp.where(tr.mask, agrees[:, None, :], True), axis=-1)  # [B, N]
-    best = jnp.argmax(jnp.where(accepted, tr.depths, -1), axis=-1)  # [B]
-    accept_len = tr.depths[rows, best]
-    path = trees.root_paths(tr.mask[rows, best][:, None, :], tr.depths, path_len)[:, 0]
-    path = jnp.where(jnp.arange(path_len)[None, :] <= accept_len[:, None], path, 0)
-    return accept_len, path, choice[rows, best]
-
-
-def slots_needed(s: SpecState, spec: SpecConfig) -> jax.Array:
+def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     """Cache slots [B] each row's next cycle writes up to (in the target's and the draft's cache)."""
-    return jnp.maximum(s.target_cache.lengths, s.draft_cache.lengths) + spec.cache_overhead
+    return jnp.maximum(s.target_cache.lengths, s.draft_cache.lengths) + tree.cache_overhead
 
 
-def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig,
-           span: int | None):
+def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig,
+           sampling: SamplingConfig, span: int | None) -> tuple[SpecState, Tree]:
     """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
     running row's `slots_needed`). Returns the new state and this cycle's tree."""
-    b = s.root.shape[0]
-    rows = jnp.arange(b)
+    rows = jnp.arange(s.root.shape[0])
     embed = tparams["embed"]
     head = target.output_head(tparams, tcfg)
     running = ~s.done
     # 1. draft the tree
-    ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, spec.tree.top_k)
-    expand = _expand_fn(dparams, dcfg, embed, head, spec.tree.top_k, span)
+    ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
+    expand = _expand_fn(dparams, dcfg, embed, head, tree.top_k, span)
     start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
-    tr, dcache = trees.build(spec.tree, start, expand, s.draft_cache)
+    tr, dcache = trees.build(tree, start, expand, s.draft_cache)
     # 2. verify: one target forward over the tree
     positions = s.target_cache.lengths[:, None] + tr.depths
-    fwd = target.forward(tparams, tcfg, tr.tokens, positions, s.target_cache, mask=tr.mask, span=span)
+    fwd = target.forward(tparams, tcfg, tr.tokens, positions, s.target_cache, mask=tr.mask,
+                         feature_layers=dcfg.feature_layers(tcfg), span=span)
     key = jax.random.fold_in(s.key, s.cycle + 1)
-    choice = sample(key, fwd.logits, spec.sampling)  # [B, N] the target's token after each node
+    choice = sample(key, fwd.logits, sampling)  # [B, N] the target's token after each node
     # 3. accept the deepest node whose whole path agrees with the target
-    accept_len, path, bonus = accept(tr, choice, spec.path_len)
+    accept_len, path, bonus = acceptance.accept(tr, choice, tree.path_len)
     emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
     # 4. emit up to the budget and the first eos
-    offsets = jnp.arange(spec.path_len)[None, :]
-    valid = (offsets <= accept_len[:, None]) & (offsets < (s.limits - s.counts)[:, None])
-    eos_at = valid & is_eos(emitted, tcfg)
-    first_eos = jnp.argmax(eos_at, axis=-1)
-    hit_eos = jnp.any(eos_at, axis=-1)
-    valid = valid & (~hit_eos[:, None] | (offsets <= first_eos[:, None])) & running[:, None]
-    n_new = jnp.sum(valid, axis=-1).astype(jnp.int32)
-    out = s.out.at[rows[:, None], s.counts[:, None] + offsets].set(jnp.where(valid, emitted, PAD_ID), mode="drop")
-    counts = s.counts + n_new
-    # 5. commit the accepted target entries, feed the draft the accepted features
     commit = jnp.where(running, accept_len + 1, 0)
+    out, counts, hit_eos = emit(s.out, s.counts, s.limits, emitted, commit, tcfg)
+    # 5. commit the accepted target entries, feed the draft the accepted features
     tcache = kv_cache.advance(kv_cache.compact(fwd.cache, path), commit)
     pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
-    feats = jnp.take_along_axis(_features(dcfg.kind, fwd), path[:, :, None], axis=1)
+    feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)
     draft_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
-    eos = s.eos | (running & hit_eos)
-    room = tcache.lengths + spec.cache_overhead <= tcache.capacity
+    eos = s.eos | hit_eos
+    room = tcache.lengths + tree.cache_overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room
-    keep = running[:, None]
     new = SpecState(
         target_cache=tcache,
         draft_cache=dcache,
         root=jnp.where(running, bonus, s.root),
-        draft_hidden=jnp.where(keep, draft_hidden, s.draft_hidden),
+        draft_hidden=jnp.where(running[:, None], draft_hidden, s.draft_hidden),
         out=out,
         counts=counts,
         limits=s.limits,
@@ -255,57 +190,49 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     return new, tr
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "spec", "span"), donate_argnames=("state",))
-def cycle(tparams, dparams, state: SpecState, *, tcfg, dcfg, spec, span=None) -> tuple[SpecState, Tree]:
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"),
+                   donate_argnames=("state",))
+def cycle(tparams, dparams, state: SpecState, *, tcfg, dcfg, tree, sampling, span=None) -> tuple[SpecState, Tree]:
     """One jitted cycle (the streaming path)."""
-    return _cycle(tparams, dparams, state, tcfg, dcfg, spec, span)
+    return _cycle(tparams, dparams, state, tcfg, dcfg, tree, sampling, span)
 
 
-def run_loop(tparams, dparams, state: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig,
-             span: int | None = None) -> SpecState:
+def run_loop(tparams, dparams, state: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig,
+             sampling: SamplingConfig, span: int | None = None) -> SpecState:
     """Cycles as one `lax.while_loop` (no host round trip per cycle) until every row is done or a
     running row's next cycle would write past `span` cache slots (default: the whole cache)."""
     span = kv_cache.span_of(state.target_cache, span)
 
     def go_on(s: SpecState) -> jax.Array:
-        return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, spec) <= span))
+        return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, tree) <= span))
 
-    return jax.lax.while_loop(go_on, lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, spec, span)[0], state)
-
-
-run_span = jax.jit(run_loop, static_argnames=("tcfg", "dcfg", "spec", "span"), donate_argnames=("state",))
+    return jax.lax.while_loop(
+        go_on, lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, tree, sampling, span)[0], state)
 
 
-def run(tparams, dparams, state: SpecState, *, tcfg: TargetConfig, dcfg: DraftConfig, spec: SpecConfig) -> SpecState:
+run_span = jax.jit(run_loop, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"),
+                   donate_argnames=("state",))
+
+
+def run(tparams, dparams, state: SpecState, *, tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig,
+        sampling: SamplingConfig) -> SpecState:
     """Cycles until every row is done, in segments over growing attention spans."""
-    return run_segments(
-        lambda s, span: run_span(tparams, dparams, s, tcfg=tcfg, dcfg=dcfg, spec=spec, span=span),
-        state, lambda s: slots_needed(s, spec), state.target_cache.capacity)
+    return schedule.run_segments(
+        lambda s, span: run_span(tparams, dparams, s, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span),
+        state, lambda s: slots_needed(s, tree), state.target_cache.capacity)
 
 
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    tokens: np.ndarray
-    lengths: np.ndarray
-    limits: np.ndarray
-    capacity: int
+def prepare(prompts: list[list[int]], max_new_tokens: int, tree: TreeConfig, tcfg: TargetConfig,
+            capacity: int | None = None) -> schedule.Prompts:
+    """Size and pad prompts; the cache holds prompt + budget + one cycle's tree."""
+    return schedule.prepare(prompts, max_new_tokens, tree.cache_overhead, capacity,
+                            tcfg.rope.max_position_embeddings, tcfg.pad_token_id or 0)
 
 
-def prepare(prompts: list[list[int]], max_new_tokens: int, spec: SpecConfig, capacity: int | None,
-            pad_id: int = 0) -> Prepared:
-    """Validate and pad prompts; the cache holds prompt + budget + one cycle's tree."""
-    if capacity is None and prompts and all(prompts):
-        longest = max(len(p) for p in prompts)
-        capacity = default_capacity(prompt_bucket(longest), max_new_tokens + spec.cache_overhead)
-    usable = None if capacity is None else capacity - spec.cache_overhead
-    tokens, lengths, limits, _ = prepare_prompts(prompts, max_new_tokens, usable, pad_id)
-    return Prepared(tokens, lengths, limits, capacity)
-
-
-def init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity) -> SpecState:
-    p = prepare(prompts, max_new_tokens, spec, capacity, tcfg.pad_token_id or 0)
+def init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity) -> SpecState:
+    p = prepare(prompts, max_new_tokens, tree, tcfg, capacity)
     return prefill(tparams, dparams, p.tokens, p.lengths, p.limits, jax.random.key(seed), tcfg=tcfg, dcfg=dcfg,
-                   spec=spec, capacity=p.capacity)
+                   tree=tree, sampling=sampling, capacity=p.capacity)
 
 
 def result(state: SpecState) -> SpecResult:
@@ -319,22 +246,23 @@ def result(state: SpecState) -> SpecResult:
 
 
 def generate(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: list[list[int]],
-             max_new_tokens: int, spec: SpecConfig = SpecConfig(), seed: int = 0,
-             capacity: int | None = None) -> SpecResult:
+             max_new_tokens: int, tree: TreeConfig = trees.DynamicTree(), sampling: SamplingConfig = SamplingConfig(),
+             seed: int = 0, capacity: int | None = None) -> SpecResult:
     """Speculative generation of up to max_new_tokens new tokens per prompt, on device end to end."""
-    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity)
-    return result(run(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec))
+    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
+    return result(run(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling))
 
 
 def stream(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: list[list[int]],
-           max_new_tokens: int, spec: SpecConfig = SpecConfig(), seed: int = 0,
-           capacity: int | None = None) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
+           max_new_tokens: int, tree: TreeConfig = trees.DynamicTree(), sampling: SamplingConfig = SamplingConfig(),
+           seed: int = 0, capacity: int | None = None) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
     """Drive the jitted cycle from Python; yields (new tokens per row, the cycle's tree, state)."""
-    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, spec, seed, capacity)
-    before, needed, done = jax.device_get((state.counts, slots_needed(state, spec), state.done))
+    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
+    before, needed, done = jax.device_get((state.counts, slots_needed(state, tree), state.done))
     while not done.all():
-        span = live_span(needed, done, state.target_cache.capacity)
-        state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, spec=spec, span=span)
-        counts, out, needed, done = jax.device_get((state.counts, state.out, slots_needed(state, spec), state.done))
+        span = schedule.live_span(needed, done, state.target_cache.capacity)
+        state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span)
+        counts, needed, done = jax.device_get((state.counts, slots_needed(state, tree), state.done))
+        out = np.asarray(jax.device_get(state.out))
         yield [out[r, before[r]:counts[r]].tolist() for r in range(len(counts))], tr, state
         before = counts

@@ -5,8 +5,6 @@ A tree has N nodes (node 0 is the root: the token the target produced last) and 
   parents [B, N]  parent node (root: 0)
   depths  [B, N]  0 for the root; the target verifies node j at position context_len + depths[j]
   mask    [B, N, N] ancestor closure including self (the tree attention mask)
-  paths   [B, N, D+2] root-to-leaf node lists ("retrieve indices"), leaves in ascending node order,
-          padded with -1 (columns past a leaf's depth and rows past the last leaf).
 
 Dynamic trees follow upstream `topK_genrate` exactly: `total_tokens` counts the root, `depth`
 expansion steps give depth + 1 draft levels, nodes keep their recorded order (level, parent rank,
@@ -32,8 +30,22 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
 )  # fmt: skip
 
 
+class _Envelope:
+    """What a tree shape implies for a cycle (needs num_nodes, max_depth and draft_window)."""
+
+    @property
+    def path_len(self) -> int:
+        """Most tokens one cycle appends (root + deepest draft level)."""
+        return self.max_depth + 1
+
+    @property
+    def cache_overhead(self) -> int:
+        """Cache slots one cycle needs past the committed context."""
+        return max(self.num_nodes, self.draft_window, self.path_len)
+
+
 @dataclasses.dataclass(frozen=True)
-class DynamicTree:
+class DynamicTree(_Envelope):
     """EAGLE-2 envelope (upstream defaults 60 / 7 / 10). total_tokens counts the root."""
 
     total_tokens: int = 60
@@ -66,7 +78,7 @@ class DynamicTree:
 
 
 @dataclasses.dataclass(frozen=True)
-class StaticTree:
+class StaticTree(_Envelope):
     """A fixed tree given as top-k rank paths, e.g. ((0,), (1,), (0, 0), ...); node order = (length, path)."""
 
     paths: tuple[tuple[int, ...], ...] = MC_SIM_7B_63
@@ -110,7 +122,6 @@ class Tree:
     parents: jax.Array  # [B, N]
     depths: jax.Array  # [B, N]
     mask: jax.Array  # [B, N, N]
-    paths: jax.Array  # [B, N, D+2]
 
 
 @jax.tree_util.register_dataclass
@@ -152,22 +163,15 @@ def root_paths(mask: jax.Array, depths: jax.Array, num_cols: int) -> jax.Array:
 
 def _finish(tokens: jax.Array, parents: jax.Array, max_depth: int) -> Tree:
     mask = ancestor_mask(parents, max_depth)
-    depths = jnp.sum(mask, axis=-1) - 1
-    node_paths = root_paths(mask, depths, max_depth + 1)
-    has_child = jnp.zeros(tokens.shape, bool).at[jnp.arange(tokens.shape[0])[:, None], parents[:, 1:]].set(True)
-    is_leaf = ~has_child
-    order = jnp.argsort(~is_leaf, axis=-1, stable=True)  # leaves first, ascending
-    leaf_paths = jnp.take_along_axis(node_paths, order[..., None], axis=1)
-    leaf_paths = jnp.where(jnp.take_along_axis(is_leaf, order, axis=1)[..., None], leaf_paths, -1)
-    return Tree(tokens, parents, depths, mask, leaf_paths)
+    return Tree(tokens, parents, jnp.sum(mask, axis=-1) - 1, mask)
 
 
-def build_dynamic(spec: DynamicTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
+def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
     """EAGLE-2 tree (upstream `topK_genrate`): expand the top_k best frontier nodes `depth` times,
     then keep the best total_tokens - 1 of all candidates in recorded order. Returns (tree, state)."""
     root, root_ids, root_hidden = start.root, start.ids, start.hidden
-    b, k, depth = root.shape[0], spec.top_k, spec.depth
-    w = spec.draft_window
+    b, k, depth = root.shape[0], tree.top_k, tree.depth
+    w = tree.draft_window
     rows = jnp.arange(b)[:, None]
     # level 1
     frontier_tokens, frontier_scores = root_ids, start.logp  # [B, k]
@@ -203,14 +207,14 @@ def build_dynamic(spec: DynamicTree, start: TreeStart, expand: ExpandFn, state) 
     all_parents = jnp.concatenate(
         [jnp.zeros((b, k), jnp.int32), jnp.moveaxis(parent_l, 0, 1).reshape(b, -1).astype(jnp.int32)], axis=1
     )
-    _, chosen = jax.lax.top_k(all_scores, spec.total_tokens - 1)
+    _, chosen = jax.lax.top_k(all_scores, tree.total_tokens - 1)
     chosen = jnp.sort(chosen, axis=-1)  # recorded order
     parent_flat = jnp.take_along_axis(all_parents, chosen, axis=1)  # [B, N-1]
     parent_node = jax.vmap(jnp.searchsorted)(chosen, parent_flat - 1) + 1
     parent_node = jnp.where(parent_flat == 0, 0, parent_node)
     tokens = jnp.concatenate([root[:, None], jnp.take_along_axis(all_tokens, chosen, axis=1)], axis=1)
     parents = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent_node.astype(jnp.int32)], axis=1)
-    return _finish(tokens, parents, spec.max_depth), state
+    return _finish(tokens, parents, tree.max_depth), state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,11 +228,11 @@ class _StaticLayout:
     window_mask: np.ndarray  # [D-1, width, W] ancestors (and self) among expanded levels 1..D-1
 
 
-def static_layout(spec: StaticTree) -> _StaticLayout:
-    paths = spec.paths
+def static_layout(tree: StaticTree) -> _StaticLayout:
+    paths = tree.paths
     index = {p: i + 1 for i, p in enumerate(paths)}
     parents = np.array([0] + [index.get(p[:-1], 0) for p in paths], np.int32)
-    d_max, width = spec.max_depth, spec.width
+    d_max, width = tree.max_depth, tree.width
     level_nodes = -np.ones((d_max, width), np.int32)
     level_rank = np.zeros((d_max, width), np.int32)
     level_parent_slot = np.zeros((d_max, width), np.int32)
@@ -240,7 +244,7 @@ def static_layout(spec: StaticTree) -> _StaticLayout:
             level_nodes[d - 1, s] = index[p]
             level_rank[d - 1, s] = p[-1]
             level_parent_slot[d - 1, s] = slot_of[p[:-1]] if d > 1 else 0
-    w = spec.draft_window
+    w = tree.draft_window
     window_mask = np.zeros((max(d_max - 1, 1), width, w), bool)
     for d in range(1, d_max):
         for s, p in enumerate(q for q in paths if len(q) == d):
@@ -249,33 +253,33 @@ def static_layout(spec: StaticTree) -> _StaticLayout:
     return _StaticLayout(parents, level_nodes, level_rank, level_parent_slot, window_mask)
 
 
-def build_static(spec: StaticTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
+def build_static(tree: StaticTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
     """EAGLE-1 static tree: node tokens are the parent's draft top-k at the node's rank. Returns (tree, state)."""
     root, root_ids, root_hidden = start.root, start.ids, start.hidden
-    lay = static_layout(spec)
-    b, width, n = root.shape[0], spec.width, spec.num_nodes
+    lay = static_layout(tree)
+    b, width, n = root.shape[0], tree.width, tree.num_nodes
     rows = jnp.arange(b)[:, None]
     tokens = jnp.zeros((b, n), root.dtype).at[:, 0].set(root)
     level_tokens = root_ids[:, lay.level_rank[0]]  # [B, width]
-    for d in range(1, spec.max_depth + 1):
+    hidden = root_hidden[:, None, :]  # [B, 1 or width, H]: outputs of the level above
+    for d in range(1, tree.max_depth + 1):
         valid = lay.level_nodes[d - 1] >= 0
         tokens = tokens.at[:, lay.level_nodes[d - 1][valid]].set(level_tokens[:, valid])
-        if d == spec.max_depth:
+        if d == tree.max_depth:
             break
-        hidden = root_hidden[:, None, :] if d == 1 else out
         parent_hidden = jnp.broadcast_to(hidden[:, lay.level_parent_slot[d - 1]], (b, width, root_hidden.shape[-1]))
         positions = jnp.broadcast_to(start.position[:, None] + d - 1, (b, width))
-        mask = jnp.broadcast_to(jnp.asarray(lay.window_mask[d - 1]), (b, width, spec.draft_window))
-        state, out, ids, _ = expand(state, level_tokens, parent_hidden, positions, mask, (d - 1) * width)
+        mask = jnp.broadcast_to(jnp.asarray(lay.window_mask[d - 1]), (b, width, tree.draft_window))
+        state, hidden, ids, _ = expand(state, level_tokens, parent_hidden, positions, mask, (d - 1) * width)
         level_tokens = ids[rows, lay.level_parent_slot[d], lay.level_rank[d]]
     parents = jnp.broadcast_to(jnp.asarray(lay.parents), (b, n))
-    return _finish(tokens, parents, spec.max_depth), state
+    return _finish(tokens, parents, tree.max_depth), state
 
 
-def build(spec: TreeConfig, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
+def build(tree: TreeConfig, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
     """Grow the configured tree from `start`; `expand` runs the draft (threading `state`)."""
-    builder = build_dynamic if isinstance(spec, DynamicTree) else build_static
-    return builder(spec, start, expand, state)
+    builder = build_dynamic if isinstance(tree, DynamicTree) else build_static
+    return builder(tree, start, expand, state)
 
 
 def parse_static(text: str) -> StaticTree:

@@ -1,8 +1,9 @@
-"""Read Hugging Face / official EAGLE weight files and map them onto our parameter trees.
+"""Hugging Face model folders: weight files in, target parameter trees out, and back.
 
 Supported layouts: `model.safetensors`, `model.safetensors.index.json` (sharded), `pytorch_model.bin`
 and `pytorch_model.bin.index.json` (these need torch). Every expected tensor is checked by name and
-shape; missing, unexpected and mis-shaped tensors are reported together in one line.
+shape; missing, unexpected and mis-shaped tensors are reported together in one line. `save_target`
+writes a dense target back as a folder transformers loads.
 """
 
 from __future__ import annotations
@@ -10,22 +11,28 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
 
 from eagle_jax.errors import EagleError
+from eagle_jax.io import files
 from eagle_jax.models import target as target_model
-from eagle_jax.models.config import TargetConfig, load_target_config
-from eagle_jax.models.params import check_against_specs, describe_mismatch, unflatten_dict
+from eagle_jax.models.config import TargetConfig, target_config_from_hf
+from eagle_jax.models.params import check_against_specs, describe_mismatch, flatten, unflatten
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0].strip() if lines else type(exc).__name__
+def load_target_config(model_dir: str | Path) -> TargetConfig:
+    """The target config of an HF folder: `config.json` (+ `generation_config.json` for eos ids)."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise EagleError(f"{model_dir}: directory not found (expected a Hugging Face model directory)")
+    gen_path = model_dir / "generation_config.json"
+    gen = files.read_json(gen_path) if gen_path.is_file() else None
+    return target_config_from_hf(files.read_json(model_dir / "config.json"), gen)
 
 
 def _torch_load(path: Path) -> dict[str, np.ndarray]:
@@ -39,7 +46,7 @@ def _torch_load(path: Path) -> dict[str, np.ndarray]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt pickles
         raise EagleError(
-            f"{path}: cannot read torch checkpoint ({type(exc).__name__}: {_first_line(exc)}); the file may be truncated"
+            f"{path}: cannot read torch checkpoint ({type(exc).__name__}: {files.first_line(exc)}); the file may be truncated"
         ) from None
     out = {}
     for name, t in state.items():
@@ -60,7 +67,7 @@ def _safetensors_load(path: Path) -> dict[str, np.ndarray]:
             return {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
         raise EagleError(
-            f"{path}: cannot read safetensors file ({_first_line(exc)}); the file may be truncated"
+            f"{path}: cannot read safetensors file ({files.first_line(exc)}); the file may be truncated"
         ) from None
 
 
@@ -116,11 +123,17 @@ MOE_FUSED = "fused"
 class _Source:
     template: str  # HF name; {i} = layer, {e} = expert (stacked on a leading axis)
     shape: tuple[int, ...]  # on-disk shape of one tensor
-    transform: Callable[[np.ndarray], np.ndarray] = lambda t: t
+    transposed: bool = False  # HF [out, in] -> our [in, out]
+    rows: tuple[int, int] | None = None  # only rows [a, b) of the second-to-last axis (fused gate_up)
 
+    def read(self, x: np.ndarray) -> np.ndarray:
+        if self.rows is not None:
+            x = x[..., self.rows[0]:self.rows[1], :]
+        return np.swapaxes(x, -1, -2) if self.transposed else x
 
-def _t(x: np.ndarray) -> np.ndarray:
-    return np.swapaxes(x, -1, -2)
+    def write(self, x: np.ndarray) -> np.ndarray:
+        """Inverse of `read` (sources that read a part of a tensor are not written)."""
+        return np.swapaxes(x, -1, -2) if self.transposed else x
 
 
 def moe_layout(names: Iterable[str]) -> str:
@@ -134,10 +147,10 @@ def _target_layer_sources(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> di
     q_out, kv_out = cfg.num_heads * D, cfg.num_kv_heads * D
     src = {
         "attn_norm": _Source("input_layernorm.weight", (H,)),
-        "q": _Source("self_attn.q_proj.weight", (q_out, H), _t),
-        "k": _Source("self_attn.k_proj.weight", (kv_out, H), _t),
-        "v": _Source("self_attn.v_proj.weight", (kv_out, H), _t),
-        "o": _Source("self_attn.o_proj.weight", (H, q_out), _t),
+        "q": _Source("self_attn.q_proj.weight", (q_out, H), True),
+        "k": _Source("self_attn.k_proj.weight", (kv_out, H), True),
+        "v": _Source("self_attn.v_proj.weight", (kv_out, H), True),
+        "o": _Source("self_attn.o_proj.weight", (H, q_out), True),
         "mlp_norm": _Source("post_attention_layernorm.weight", (H,)),
     }
     if cfg.qkv_bias:
@@ -150,19 +163,19 @@ def _target_layer_sources(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> di
         src["q_norm"] = _Source("self_attn.q_norm.weight", (D,))
         src["k_norm"] = _Source("self_attn.k_norm.weight", (D,))
     if cfg.is_moe and layout == MOE_FUSED:
-        src["mlp.router"] = _Source("mlp.gate.weight", (E, H), _t)
-        src["mlp.gate"] = _Source("mlp.experts.gate_up_proj", (E, 2 * I, H), lambda x: _t(x[:, :I]))
-        src["mlp.up"] = _Source("mlp.experts.gate_up_proj", (E, 2 * I, H), lambda x: _t(x[:, I:]))
-        src["mlp.down"] = _Source("mlp.experts.down_proj", (E, H, I), _t)
+        src["mlp.router"] = _Source("mlp.gate.weight", (E, H), True)
+        src["mlp.gate"] = _Source("mlp.experts.gate_up_proj", (E, 2 * I, H), True, (0, I))
+        src["mlp.up"] = _Source("mlp.experts.gate_up_proj", (E, 2 * I, H), True, (I, 2 * I))
+        src["mlp.down"] = _Source("mlp.experts.down_proj", (E, H, I), True)
     elif cfg.is_moe:
-        src["mlp.router"] = _Source("block_sparse_moe.gate.weight", (E, H), _t)
-        src["mlp.gate"] = _Source("block_sparse_moe.experts.{e}.w1.weight", (I, H), _t)
-        src["mlp.up"] = _Source("block_sparse_moe.experts.{e}.w3.weight", (I, H), _t)
-        src["mlp.down"] = _Source("block_sparse_moe.experts.{e}.w2.weight", (H, I), _t)
+        src["mlp.router"] = _Source("block_sparse_moe.gate.weight", (E, H), True)
+        src["mlp.gate"] = _Source("block_sparse_moe.experts.{e}.w1.weight", (I, H), True)
+        src["mlp.up"] = _Source("block_sparse_moe.experts.{e}.w3.weight", (I, H), True)
+        src["mlp.down"] = _Source("block_sparse_moe.experts.{e}.w2.weight", (H, I), True)
     else:
-        src["mlp.gate"] = _Source("mlp.gate_proj.weight", (I, H), _t)
-        src["mlp.up"] = _Source("mlp.up_proj.weight", (I, H), _t)
-        src["mlp.down"] = _Source("mlp.down_proj.weight", (H, I), _t)
+        src["mlp.gate"] = _Source("mlp.gate_proj.weight", (I, H), True)
+        src["mlp.up"] = _Source("mlp.up_proj.weight", (I, H), True)
+        src["mlp.down"] = _Source("mlp.down_proj.weight", (H, I), True)
     return src
 
 
@@ -211,9 +224,9 @@ def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig
         per_layer = []
         for i in range(cfg.num_layers):
             parts = [tensors[name] for name in _names(s.template, cfg, i)]
-            per_layer.append(s.transform(np.stack(parts) if "{e}" in s.template else parts[0]))
+            per_layer.append(s.read(np.stack(parts) if "{e}" in s.template else parts[0]))
         flat[f"layers.{ours}"] = cast(np.stack(per_layer))
-    params = unflatten_dict(flat)
+    params = unflatten(flat)
     check_against_specs(params, target_model.param_specs(cfg), where)
     return params
 
@@ -223,3 +236,34 @@ def load_target(model_dir: str | Path, dtype=None, progress: bool = False) -> tu
     cfg = load_target_config(model_dir)
     params = target_params_from_tensors(read_tensors(model_dir, progress), cfg, str(model_dir), dtype)
     return cfg, params
+
+
+def target_tensors(params: dict, cfg: TargetConfig) -> dict[str, np.ndarray]:
+    """Our target parameter tree -> HF tensor names and layouts (Mixtral experts in the per-expert layout)."""
+    flat = {k: np.asarray(v) for k, v in flatten(params).items()}
+    out = {"model.embed_tokens.weight": flat["embed"], "model.norm.weight": flat["final_norm"]}
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = flat["lm_head"].T
+    for ours, s in _target_layer_sources(cfg, MOE_PER_EXPERT).items():
+        for i in range(cfg.num_layers):
+            stored = s.write(flat[f"layers.{ours}"][i])
+            names = _names(s.template, cfg, i)
+            out.update(zip(names, stored if "{e}" in s.template else [stored]))
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def save_target(out: str | Path, params: dict, cfg: TargetConfig, config: dict, generation_config: dict | None = None,
+                extra_files: dict[str, str] | None = None, overwrite: bool = False) -> Path:
+    """Write an HF folder (config.json, generation_config.json, model.safetensors, `extra_files` name -> text)
+    that transformers and `load_target` read; it appears complete or not at all."""
+    from safetensors.numpy import save_file
+
+    check_against_specs(params, target_model.param_specs(cfg), "target")
+    with files.new_directory(out, overwrite) as tmp:
+        save_file(target_tensors(params, cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        texts = {"config.json": json.dumps(config, indent=2) + "\n", **(extra_files or {})}
+        if generation_config is not None:
+            texts["generation_config.json"] = json.dumps(generation_config, indent=2) + "\n"
+        for name, text in texts.items():
+            (tmp / name).write_text(text)
+    return Path(out)

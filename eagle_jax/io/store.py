@@ -21,7 +21,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -33,12 +32,13 @@ from jax.sharding import Mesh
 from tqdm import tqdm
 
 from eagle_jax.errors import EagleError
+from eagle_jax.io import files
 from eagle_jax.models import draft as draft_model
 from eagle_jax.models import target as target_model
-from eagle_jax.models.config import TargetConfig, read_json, target_config_from_hf
-from eagle_jax.models.draft import DraftConfig, check_fits, draft_config_from_hf
-from eagle_jax.models.params import ParamSpec, is_spec, map_specs, with_dtype
-from eagle_jax.parallel.sharding import logical_sharding
+from eagle_jax.models.config import (DraftConfig, TargetConfig, check_draft_fits, draft_config_from_hf,
+                                     target_config_from_hf)
+from eagle_jax.models.params import check_against_specs, is_spec, map_specs, with_dtype
+from eagle_jax.parallel import sharding
 
 FORMAT = "eagle-jax-store/1"
 MANIFEST = "eagle_jax.json"
@@ -88,7 +88,7 @@ def read_manifest(path: str | Path) -> Manifest:
     path = Path(path)
     if not path.is_dir():
         raise EagleError(f"{path}: directory not found")
-    raw = read_json(path / MANIFEST)
+    raw = files.read_json(path / MANIFEST)
     if raw.get("format") != FORMAT:
         raise EagleError(f"{path / MANIFEST}: format {raw.get('format')!r} is not {FORMAT!r}")
     try:
@@ -113,31 +113,8 @@ def _float_dtype(params: PyTree) -> str | None:
     return dtypes.pop() if dtypes else None
 
 
-def _flat(tree: PyTree) -> dict[str, Any]:
-    """'layers.0.q' -> leaf, for trees of dicts and lists whose leaves are specs or arrays."""
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: is_spec(x) or hasattr(x, "shape"))[0]
-    return {jax.tree_util.keystr(p, simple=True, separator="."): x for p, x in leaves}
-
-
-def _check_shapes(found: PyTree, specs: PyTree, where: str) -> None:
-    """One error naming every missing, unexpected or mis-shaped leaf of `found` against `specs`."""
-    have, want = _flat(found), _flat(specs)
-    problems = []
-    if missing := sorted(set(want) - set(have)):
-        problems.append("missing " + ", ".join(missing))
-    if unexpected := sorted(set(have) - set(want)):
-        problems.append("unexpected " + ", ".join(unexpected))
-    misshaped = [f"{k} {tuple(have[k].shape)} != {want[k].shape}" for k in sorted(set(have) & set(want))
-                 if tuple(have[k].shape) != tuple(want[k].shape)]
-    if misshaped:
-        problems.append("mis-shaped " + ", ".join(misshaped))
-    if problems:
-        raise EagleError(f"{where}: parameters do not match the config ({'; '.join(problems)})")
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+def _failure(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {files.first_line(exc)}"
 
 
 @contextlib.contextmanager
@@ -171,30 +148,19 @@ def save(out: str | Path, target: TargetPart | None = None, draft: DraftPart | N
     import orbax.checkpoint as ocp
 
     out = Path(out).absolute()
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise EagleError(f"{out}: already exists and is not empty; choose another --out or pass --overwrite")
     parts: dict[str, PyTree] = {}
     if target is not None:
         tcfg = target_config_from_hf(target.config, target.generation_config)
-        _check_shapes(target.params, target_model.param_specs(tcfg), "target")
+        check_against_specs(target.params, target_model.param_specs(tcfg), "target")
         parts["target"] = target.params
     if draft is not None:
         dcfg = draft_config_from_hf(draft.config, draft.kind)
-        _check_shapes(draft.params, draft_model.param_specs(dcfg), "draft")
+        check_against_specs(draft.params, draft_model.param_specs(dcfg), "draft")
         if target is not None:
-            check_fits(dcfg, tcfg, "draft")
+            check_draft_fits(dcfg, tcfg, "draft")
         parts["draft"] = draft.params
     if not parts:
         raise EagleError("nothing to save: give a target, a draft or both")
-    tmp = out.with_name(f".{out.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with _checkpointer() as ckpt, tqdm(total=sum(_nbytes(p) for p in parts.values()), unit="B", unit_scale=True,
-                                       desc=f"saving {out.name}", disable=not progress) as bar:
-        for name, params in parts.items():
-            bar.set_postfix_str(name)
-            ckpt.save(tmp / name, args=ocp.args.StandardSave(params))
-            bar.update(_nbytes(params))
     manifest = Manifest(
         target_config=target.config if target else None,
         generation_config=target.generation_config if target else None,
@@ -203,16 +169,20 @@ def save(out: str | Path, target: TargetPart | None = None, draft: DraftPart | N
         target_dtype=_float_dtype(target.params) if target else None,
         draft_dtype=_float_dtype(draft.params) if draft else None,
     )
-    (tmp / MANIFEST).write_text(json.dumps(dataclasses.asdict(manifest), indent=2) + "\n")
-    if tokenizer_from is not None:
-        files = [Path(tokenizer_from) / f for f in TOKENIZER_FILES if (Path(tokenizer_from) / f).is_file()]
-        if files:
+    tokenizer_files = [Path(tokenizer_from) / f for f in TOKENIZER_FILES
+                       if tokenizer_from is not None and (Path(tokenizer_from) / f).is_file()]
+    with files.new_directory(out, overwrite) as tmp, _checkpointer() as ckpt, tqdm(
+            total=sum(_nbytes(p) for p in parts.values()), unit="B", unit_scale=True, desc=f"saving {out.name}",
+            disable=not progress) as bar:
+        for name, params in parts.items():
+            bar.set_postfix_str(name)
+            ckpt.save(tmp / name, args=ocp.args.StandardSave(params))
+            bar.update(_nbytes(params))
+        (tmp / MANIFEST).write_text(json.dumps(dataclasses.asdict(manifest), indent=2) + "\n")
+        if tokenizer_files:
             (tmp / "tokenizer").mkdir()
-            for f in files:
+            for f in tokenizer_files:
                 shutil.copy2(f, tmp / "tokenizer" / f.name)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
     return out
 
 
@@ -226,29 +196,29 @@ def save_draft(out: str | Path, config: dict, params: PyTree, kind: str | None =
 # ---------------------------------------------------------------- restoring
 
 
-def _restore(path: Path, specs: PyTree, mesh: Mesh | None) -> PyTree:
-    """Restore a parameter tree: numpy without a mesh, else arrays sharded by the specs' logical axes."""
+def _restore(path: Path, specs: PyTree, shardings: PyTree | None) -> PyTree:
+    """Restore a parameter tree: numpy without shardings, else arrays placed by them (each device reads
+    only its own slices)."""
     import orbax.checkpoint as ocp
 
     if not path.is_dir():
         raise EagleError(f"{path}: checkpoint directory not found")
-
-    def abstract(s: ParamSpec) -> jax.ShapeDtypeStruct:
-        sharding = logical_sharding(s.shape, s.axes, mesh) if mesh is not None else None
-        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+    shardings = shardings if shardings is not None else map_specs(lambda _: None, specs)
+    abstract = jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), specs, shardings,
+                            is_leaf=is_spec)
 
     with _checkpointer() as ckpt, _quiet_orbax():
         try:
             stored = ckpt.metadata(path).item_metadata
         except Exception as exc:  # orbax raises several types for unreadable metadata
-            raise EagleError(f"{path}: not a readable orbax checkpoint ({_first_line(exc)})") from None
+            raise EagleError(f"{path}: not a readable orbax checkpoint ({_failure(exc)})") from None
         if stored is None:
             raise EagleError(f"{path}: not a readable orbax checkpoint (no array metadata); the store may be incomplete")
-        _check_shapes(stored.tree, specs, str(path))
+        check_against_specs(stored.tree, specs, f"{path}: parameters do not match the config")
         try:
-            return ckpt.restore(path, args=ocp.args.StandardRestore(map_specs(abstract, specs)))
+            return ckpt.restore(path, args=ocp.args.StandardRestore(abstract))
         except Exception as exc:  # missing or truncated array files
-            raise EagleError(f"{path}: cannot restore ({_first_line(exc)}); the store may be incomplete") from None
+            raise EagleError(f"{path}: cannot restore ({_failure(exc)}); the store may be incomplete") from None
 
 
 def _in_dtype(specs: PyTree, requested: Any, stored: str | None) -> PyTree:
@@ -265,7 +235,15 @@ def load_target_store(path: str | Path, dtype: Any = None, mesh: Mesh | None = N
         raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
     cfg = target_config_from_hf(m.target_config, m.generation_config)
     specs = _in_dtype(target_model.param_specs(cfg), dtype, m.target_dtype)
-    return cfg, _restore(path / "target", specs, mesh)
+    return cfg, _restore(path / "target", specs, sharding.target_shardings(cfg, mesh) if mesh is not None else None)
+
+
+def draft_config(path: str | Path) -> DraftConfig:
+    """The config of a store's draft head."""
+    m = read_manifest(path)
+    if m.draft_config is None:
+        raise EagleError(f"{path}: this store holds no draft head")
+    return draft_config_from_hf(m.draft_config, m.draft_kind)
 
 
 def load_draft_store(path: str | Path, target: TargetConfig | None = None, kind: str | None = None,
@@ -275,13 +253,11 @@ def load_draft_store(path: str | Path, target: TargetConfig | None = None, kind:
     `kind` forces the head kind (a mismatch with the stored kind is an error).
     """
     path = Path(path)
-    m = read_manifest(path)
-    if m.draft_config is None:
-        raise EagleError(f"{path}: this store holds no draft head; pass --draft DIR or use --no-spec")
-    if kind is not None and kind != m.draft_kind:
-        raise EagleError(f"{path}: this is an {m.draft_kind.upper()} head but {kind.upper()} was requested; drop the override")
-    cfg = draft_config_from_hf(m.draft_config, m.draft_kind)
+    cfg = draft_config(path)
+    if kind is not None and kind != cfg.kind:
+        raise EagleError(f"{path}: this is an {cfg.kind.upper()} head but {kind.upper()} was requested; "
+                         "drop the override")
     if target is not None:
-        check_fits(cfg, target, str(path))
-    specs = _in_dtype(draft_model.param_specs(cfg), dtype, m.draft_dtype)
-    return cfg, _restore(path / "draft", specs, mesh)
+        check_draft_fits(cfg, target, str(path))
+    specs = _in_dtype(draft_model.param_specs(cfg), dtype, read_manifest(path).draft_dtype)
+    return cfg, _restore(path / "draft", specs, sharding.draft_shardings(cfg, mesh) if mesh is not None else None)

@@ -1,14 +1,12 @@
-"""Frozen, hashable model configs built from Hugging Face `config.json` dictionaries.
+"""Frozen, hashable model configs built from Hugging Face / official EAGLE `config.json` dictionaries.
 
-Every config feature the code does not implement raises `EagleError` naming the field,
-so an unsupported checkpoint never turns into a silently wrong model.
+Every config feature the code does not implement raises `EagleError` naming the field, so an
+unsupported checkpoint never turns into a silently wrong model. Reading the files is `eagle_jax.io`'s job.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from pathlib import Path
 from typing import Any
 
 from eagle_jax.errors import EagleError
@@ -60,11 +58,6 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
-
-    @property
-    def eagle3_layers(self) -> tuple[int, int, int]:
-        """Indices of the decoder layers whose *inputs* are the EAGLE-3 features."""
-        return default_eagle3_layers(self.num_layers)
 
     @property
     def is_moe(self) -> bool:
@@ -194,22 +187,114 @@ def target_config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any]
     )
 
 
-def read_json(path: Path) -> dict[str, Any]:
-    """Read a JSON file, turning a missing or malformed file into a one-line error."""
-    path = Path(path)
-    if not path.is_file():
-        raise EagleError(f"{path}: file not found")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise EagleError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+# ---------------------------------------------------------------- draft heads
+
+DRAFT_KINDS = ("eagle1", "eagle3")
 
 
-def load_target_config(model_dir: str | Path) -> TargetConfig:
-    """Read `config.json` (+ `generation_config.json` for eos ids) from an HF model directory."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise EagleError(f"{model_dir}: directory not found (expected a Hugging Face model directory)")
-    gen_path = model_dir / "generation_config.json"
-    gen = read_json(gen_path) if gen_path.is_file() else None
-    return target_config_from_hf(read_json(model_dir / "config.json"), gen)
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+    """An EAGLE-1 or EAGLE-3 draft head."""
+
+    kind: str  # "eagle1" | "eagle3"
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    vocab_size: int  # target vocabulary
+    draft_vocab_size: int
+    target_hidden_size: int
+    fc_bias: bool = False
+    aux_layers: tuple[int, ...] | None = None  # EAGLE-3 target layers named by the config (None: upstream rule)
+
+    @property
+    def has_vocab_map(self) -> bool:
+        return self.kind == "eagle3" and self.draft_vocab_size != self.vocab_size
+
+    @property
+    def attn_in(self) -> int:
+        """Width of the attention input: 2H for EAGLE-3 (embedding ++ hidden), H for EAGLE-1."""
+        return 2 * self.hidden_size if self.kind == "eagle3" else self.hidden_size
+
+    def feature_layers(self, target: TargetConfig) -> tuple[int, ...]:
+        """The target layers whose inputs this head reads: EAGLE-3 three of them (by default upstream's
+        {2, L//2, L-3}), EAGLE-1 none (it reads the target's final normed hidden state)."""
+        if self.kind != "eagle3":
+            return ()
+        return self.aux_layers if self.aux_layers is not None else default_eagle3_layers(target.num_layers)
+
+
+def _aux_layers(cfg: dict[str, Any]) -> tuple[int, ...] | None:
+    """EAGLE-3 target layers given by the config (`eagle_config.eagle_aux_hidden_state_layer_ids`), if any."""
+    ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is None:
+        return None
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
+        raise EagleError(f"eagle_config.eagle_aux_hidden_state_layer_ids={ids!r} must list three layer indices")
+    return tuple(ids)
+
+
+def draft_config_from_hf(cfg: dict[str, Any], kind: str) -> DraftConfig:
+    """Build a `DraftConfig` from an official head's config.json dict."""
+    if kind not in DRAFT_KINDS:
+        raise EagleError(f"unknown draft kind {kind!r} (expected one of {', '.join(DRAFT_KINDS)})")
+    hidden = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    vocab = int(cfg["vocab_size"])
+    return DraftConfig(
+        kind=kind,
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_layers=1 if kind == "eagle3" else int(cfg.get("num_hidden_layers") or 1),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
+        rope=rope_from_hf(cfg),
+        vocab_size=vocab,
+        draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab) if kind == "eagle3" else vocab,
+        target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+        fc_bias=kind == "eagle1" and bool(cfg.get("bias", True)),
+        aux_layers=_aux_layers(cfg) if kind == "eagle3" else None,
+    )
+
+
+def eagle3_head_like(target: TargetConfig, draft_vocab_size: int) -> DraftConfig:
+    """A one-layer EAGLE-3 head shaped like a target layer (hidden, heads, kv heads, MLP, rope)."""
+    if not 0 < draft_vocab_size <= target.vocab_size:
+        raise EagleError(f"draft vocabulary size {draft_vocab_size} must be in 1..{target.vocab_size} (the target vocabulary)")
+    return DraftConfig(
+        kind="eagle3",
+        hidden_size=target.hidden_size,
+        intermediate_size=target.intermediate_size,
+        num_layers=1,
+        num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim,
+        rms_norm_eps=target.rms_norm_eps,
+        rope=target.rope,
+        vocab_size=target.vocab_size,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target.hidden_size,
+    )
+
+
+def check_draft_fits(draft: DraftConfig, target: TargetConfig, where: str) -> None:
+    """Refuse a head whose widths, vocabulary or feature layers do not match the target."""
+    problems = []
+    if draft.vocab_size != target.vocab_size:
+        problems.append(f"vocab_size {draft.vocab_size} vs target {target.vocab_size}")
+    if draft.kind == "eagle3" and draft.target_hidden_size != target.hidden_size:
+        problems.append(f"target_hidden_size {draft.target_hidden_size} vs target hidden_size {target.hidden_size}")
+    if draft.hidden_size != target.hidden_size:
+        problems.append(f"hidden_size {draft.hidden_size} vs target hidden_size {target.hidden_size} (embedding width)")
+    if any(not 0 <= i < target.num_layers for i in draft.aux_layers or ()):
+        problems.append(f"feature layers {list(draft.aux_layers)} outside the target's {target.num_layers} layers")
+    if problems:
+        raise EagleError(
+            f"{where}: this head does not fit the target ({'; '.join(problems)}); use the head trained for this target"
+        )

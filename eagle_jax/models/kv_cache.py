@@ -4,9 +4,8 @@ Slots [0, lengths[b]) of row b hold committed context. A forward writes its T ne
 slots lengths + offset + [0, T) and does not move `lengths`: the caller commits what it keeps
 (`advance`), so rejected tree entries are dropped by length, never by copying the cache.
 
-A forward attends over the first `span` slots only (a static length, the whole capacity by default):
-prefill over the prompt, decode loops over the smallest `attention_span` that holds every live row,
-so attention costs grow with the context, not with the capacity.
+A forward attends over the first `span` slots only (a static length, the whole capacity by default);
+`decoding.schedule` picks the spans.
 """
 
 from __future__ import annotations
@@ -36,21 +35,6 @@ class KVCache:
 
 
 CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
-SPAN_UNIT = 128
-
-
-def all_spans(capacity: int) -> list[int]:
-    """The spans a cache of `capacity` slots is attended over: SPAN_UNIT * 2^k below it, then the
-    capacity (what a warm-up compiles)."""
-    spans = [SPAN_UNIT]
-    while spans[-1] < capacity:
-        spans.append(2 * spans[-1])
-    return [min(s, capacity) for s in spans]
-
-
-def attention_span(needed: int, capacity: int) -> int:
-    """Slots a decode segment attends over: the smallest of `all_spans` >= needed (else the capacity)."""
-    return next((s for s in all_spans(capacity) if s >= needed), capacity)
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:

@@ -1,4 +1,5 @@
-"""Parameters described once: shape, dtype and logical axes; init, abstract trees and shardings derive from it."""
+"""Parameters described once: shape, dtype and logical axes; init, abstract trees, shardings and loading
+checks derive from the description."""
 
 from __future__ import annotations
 
@@ -90,34 +91,42 @@ def describe_mismatch(expected: dict[str, tuple[int, ...]], actual: dict[str, tu
 def check_against_specs(params: PyTree, specs: PyTree, what: str) -> None:
     """Raise one error naming every missing, unexpected or mis-shaped parameter."""
     problem = describe_mismatch(
-        {k: s.shape for k, s in flatten_dict(specs).items()},
-        {k: np.shape(x) for k, x in flatten_dict(params).items()},
+        {k: s.shape for k, s in flatten(specs).items()},
+        {k: tuple(np.shape(x)) for k, x in flatten(params).items()},
     )
     if problem:
         raise EagleError(f"{what}: {problem}")
 
 
-def flatten_dict(tree: PyTree, prefix: str = "") -> dict[str, Any]:
-    """{'a': {'b': x}} -> {'a.b': x} (leaves are specs or arrays)."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten_dict(value, name + "."))
-        else:
-            out[name] = value
-    return out
+def _is_leaf(x: Any) -> bool:
+    return is_spec(x) or hasattr(x, "shape")
 
 
-def unflatten_dict(flat: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+def flatten(tree: PyTree) -> dict[str, Any]:
+    """{'a': {'b': x}, 'layers': [y]} -> {'a.b': x, 'layers.0': y}; leaves are specs or arrays."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)[0]
+    return {jax.tree_util.keystr(path, simple=True, separator="."): x for path, x in leaves}
+
+
+def unflatten(flat: dict[str, Any]) -> dict[str, Any]:
+    """Inverse of `flatten`: {'a.b': x, 'layers.0': y} -> {'a': {'b': x}, 'layers': [y]} (digit keys make lists)."""
+    tree: dict[str, Any] = {}
     for name, value in flat.items():
-        node = out
+        node = tree
         *parents, leaf = name.split(".")
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
-    return out
+
+    def listify(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        node = {k: listify(v) for k, v in node.items()}
+        if node and set(node) == {str(i) for i in range(len(node))}:
+            return [node[str(i)] for i in range(len(node))]
+        return node
+
+    return listify(tree)
 
 
 def param_count(specs: PyTree) -> int:

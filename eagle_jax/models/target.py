@@ -141,7 +141,7 @@ def forward(
     cache: KVCache,
     mask: jax.Array | None = None,
     offset: int | jax.Array = 0,
-    feature_layers: Sequence[int] | None = None,
+    feature_layers: Sequence[int] = (),
     compute_logits: bool = True,
     span: int | None = None,
 ) -> TargetOutput:
@@ -155,7 +155,7 @@ def forward(
     b, t = tokens.shape
     if mask is None:
         mask = causal_mask(b, t)
-    feature_layers = tuple(feature_layers if feature_layers is not None else cfg.eagle3_layers)
+    feature_layers = tuple(feature_layers)
     if any(not 0 <= i < cfg.num_layers for i in feature_layers):
         raise EagleError(f"feature_layers={feature_layers}: layer indices must lie in [0, {cfg.num_layers})")
     span = kv_cache.span_of(cache, span)
@@ -186,7 +186,7 @@ def forward(
 
 
 def prefill(params: dict, cfg: TargetConfig, tokens: jax.Array, capacity: int,
-            feature_layers: Sequence[int] | None = None) -> TargetOutput:
+            feature_layers: Sequence[int] = ()) -> TargetOutput:
     """Causal forward of prompts [B, P] from position 0 into a fresh cache of `capacity` slots.
 
     Attention spans the P prompt slots only (P x P, not P x capacity). Lengths stay 0: the caller

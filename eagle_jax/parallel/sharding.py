@@ -1,4 +1,8 @@
-"""Logical axes -> mesh axes. Model code names logical axes only; this table places them on a mesh."""
+"""How arrays lie on a device mesh: logical axes -> mesh axes, mesh construction, placement.
+
+Model code names logical axes only (`ParamSpec.axes`, `KVCache` axes); one table, `LOGICAL_RULES`, maps
+them onto the mesh axes `data`, `fsdp`, `tensor`.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from eagle_jax.errors import EagleError
-from eagle_jax.models.params import ParamSpec, map_specs
+from eagle_jax.models import draft, target
+from eagle_jax.models.config import DraftConfig, TargetConfig
+from eagle_jax.models.params import map_specs
+
+PyTree = Any
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -43,11 +51,11 @@ def parse_mesh(text: str | None) -> dict[str, int]:
         name, sep, value = part.strip().partition("=")
         if not sep or name not in MESH_AXES or not value.isdigit() or int(value) < 1:
             raise EagleError(
-                f"bad --mesh entry {part.strip()!r}: expected comma-separated AXIS=N with AXIS in "
+                f"bad mesh entry {part.strip()!r}: expected comma-separated AXIS=N with AXIS in "
                 f"{', '.join(MESH_AXES)} (e.g. data=2,tensor=4)"
             )
         if name in seen:
-            raise EagleError(f"bad --mesh {text!r}: axis {name} is given twice")
+            raise EagleError(f"bad mesh {text!r}: axis {name} is given twice")
         seen.add(name)
         sizes[name] = int(value)
     return sizes
@@ -59,11 +67,11 @@ def make_mesh(text: str | None, devices: Sequence[Any] | None = None) -> Mesh:
     devices = list(devices if devices is not None else jax.devices())
     for axis in MESH_AXES:
         if len(devices) % sizes[axis]:
-            raise EagleError(f"--mesh {text!r}: {axis}={sizes[axis]} does not divide the {len(devices)} devices")
+            raise EagleError(f"mesh {text!r}: {axis}={sizes[axis]} does not divide the {len(devices)} devices")
     need = math.prod(sizes.values())
     if need != len(devices):
         raise EagleError(
-            f"--mesh {text!r} needs {need} devices but {len(devices)} are available; "
+            f"mesh {text!r} needs {need} devices but {len(devices)} are available; "
             f"make the product of the axis sizes equal {len(devices)}"
         )
     grid = np.array(devices).reshape([sizes[a] for a in MESH_AXES])
@@ -99,7 +107,7 @@ def check_dims(mesh: Mesh, dims: Mapping[str, int], what: str, rules: Mapping[st
         if size % split:
             shown = ",".join(f"{a}={mesh.shape[a]}" for a in axes)
             raise EagleError(
-                f"--mesh {shown} does not divide {name}={size} of the {what} ({name} is split over "
+                f"mesh {shown} does not divide {name}={size} of the {what} ({name} is split over "
                 f"{'*'.join(axes)}); use sizes whose product divides {size}"
             )
 
@@ -147,23 +155,49 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
 
-def shard_params(params: Any, specs: Any, mesh: Mesh, rules: Mapping[str, Any] = LOGICAL_RULES) -> Any:
-    """Place (host or device) parameters onto the mesh by their logical axes."""
-    return jax.tree.map(put, params, param_shardings(specs, mesh, rules))
+# ---------------------------------------------------------------- models on a mesh
 
 
-__all__ = [
-    "LOGICAL_RULES",
-    "MESH_AXES",
-    "ParamSpec",
-    "check_dims",
-    "logical_sharding",
-    "make_mesh",
-    "mesh_axes",
-    "param_shardings",
-    "parse_mesh",
-    "partition_spec",
-    "put",
-    "rules_for",
-    "shard_params",
-]
+def target_dims(tcfg: TargetConfig) -> dict[str, int]:
+    """Sizes of the target's split logical axes."""
+    return {"heads": tcfg.num_heads, "kv_heads": tcfg.num_kv_heads, "mlp": tcfg.intermediate_size,
+            "vocab": tcfg.vocab_size, "embed": tcfg.hidden_size}
+
+
+def draft_dims(dcfg: DraftConfig) -> dict[str, int]:
+    """Sizes of the draft head's split logical axes."""
+    dims = {"heads": dcfg.num_heads, "kv_heads": dcfg.num_kv_heads, "mlp": dcfg.intermediate_size,
+            "embed": dcfg.hidden_size}
+    return {**dims, "draft_vocab": dcfg.draft_vocab_size} if dcfg.kind == "eagle3" else dims
+
+
+def check_mesh(mesh: Mesh, tcfg: TargetConfig, dcfg: DraftConfig | None = None, batch: int | None = None) -> None:
+    """One-line EagleError when a mesh axis does not divide a model dimension or the batch.
+
+    kv heads fewer than `tensor` are replicated (`rules_for`), not an error.
+    """
+    check_dims(mesh, target_dims(tcfg), "target", rules_for(tcfg.num_kv_heads, mesh))
+    if dcfg is not None:
+        check_dims(mesh, draft_dims(dcfg), "draft head", rules_for(dcfg.num_kv_heads, mesh))
+    if batch is not None:
+        check_dims(mesh, {"batch": batch}, "inputs")
+
+
+def data_parallelism(mesh: Mesh) -> int:
+    """How many ways the batch is split."""
+    return math.prod(mesh.shape[a] for a in mesh_axes("batch"))
+
+
+def target_shardings(tcfg: TargetConfig, mesh: Mesh) -> PyTree:
+    """NamedShardings of the target parameter tree (kv projections replicated below tensor)."""
+    return param_shardings(target.param_specs(tcfg), mesh, rules_for(tcfg.num_kv_heads, mesh))
+
+
+def draft_shardings(dcfg: DraftConfig, mesh: Mesh) -> PyTree:
+    """NamedShardings of the draft head's parameter tree (vocabulary map replicated)."""
+    return param_shardings(draft.param_specs(dcfg), mesh, rules_for(dcfg.num_kv_heads, mesh))
+
+
+def place(params: PyTree, shardings: PyTree) -> PyTree:
+    """Put host or device parameters where `shardings` says (a no-op for arrays already there)."""
+    return jax.tree.map(put, params, shardings)

@@ -1,4 +1,4 @@
-"""Training-state checkpoints (orbax) and atomic writes of the small files next to them.
+"""Training-state checkpoints (orbax).
 
 A checkpoint holds the state pytree (trainable parameters, optimiser state) and a JSON `meta`
 item (at least the completed step). Orbax writes each step into a temporary directory and renames it
@@ -8,13 +8,10 @@ when complete, so a process killed at any moment leaves either a whole checkpoin
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 PyTree = Any
@@ -45,15 +42,3 @@ def restore_latest(mgr: ocp.CheckpointManager, abstract_state: PyTree) -> tuple[
 def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:
     """ShapeDtypeStructs with shardings: the restore target for a tree shaped like `tree`."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-
-
-def save_npz_atomic(path: Path, **arrays: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)

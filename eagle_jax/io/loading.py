@@ -1,0 +1,100 @@
+"""One way in for every model path a user gives: an eagle-jax store, a Hugging Face folder, an
+official EAGLE head folder or a GGUF file.
+
+    tcfg, tparams = load_target(path, dtype, mesh)        # store | HF folder | .gguf
+    dcfg, dparams = load_draft(path, tcfg, kind, dtype, mesh)  # store | official head folder
+    tokenizer = load_tokenizer(path)                       # the target's: store tokenizer/ | HF folder | .gguf
+
+Without a mesh parameters come back on the host (numpy); with one, every leaf is placed by its logical
+axes (`parallel.sharding`), a store restoring each device's shards directly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh
+
+from eagle_jax.errors import EagleError
+from eagle_jax.io import hf, official, store
+from eagle_jax.models.config import DraftConfig, TargetConfig, target_config_from_hf
+from eagle_jax.parallel import sharding
+
+PyTree = Any
+
+
+def is_gguf(path: str | Path) -> bool:
+    return Path(path).suffix == ".gguf"
+
+
+def target_config(path: str | Path) -> TargetConfig:
+    """The target's config, without reading its weights."""
+    if is_gguf(path):
+        from eagle_jax.io import gguf
+
+        return target_config_from_hf(*gguf.read_gguf_config(path))
+    if store.is_store(path):
+        m = store.read_manifest(path)
+        if m.target_config is None:
+            raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
+        return target_config_from_hf(m.target_config, m.generation_config)
+    return hf.load_target_config(path)
+
+
+def load_target(path: str | Path, dtype: Any = None, mesh: Mesh | None = None,
+                progress: bool = False) -> tuple[TargetConfig, PyTree]:
+    """(config, parameters) of a target; dtype None keeps the stored one."""
+    if mesh is not None:
+        sharding.check_mesh(mesh, target_config(path))
+    if store.is_store(path):
+        return store.load_target_store(path, dtype, mesh)
+    if is_gguf(path):
+        from eagle_jax.io import gguf
+
+        model = gguf.read_gguf(path, progress)
+        cfg = target_config_from_hf(model.config, model.generation_config)
+        params = hf.target_params_from_tensors(model.tensors, cfg, str(path), dtype)
+    else:
+        cfg, params = hf.load_target(path, dtype, progress)
+    return cfg, params if mesh is None else sharding.place(params, sharding.target_shardings(cfg, mesh))
+
+
+def holds_draft(path: str | Path) -> bool:
+    """Does this path (a store) also hold a draft head?"""
+    return store.is_store(path) and store.read_manifest(path).draft_config is not None
+
+
+def load_draft(path: str | Path, target: TargetConfig, kind: str | None = None, dtype: Any = None,
+               mesh: Mesh | None = None) -> tuple[DraftConfig, PyTree]:
+    """(config, parameters) of a draft head checked to fit `target`; `kind` asserts eagle1/eagle3."""
+    if store.is_store(path):
+        if mesh is not None:
+            sharding.check_mesh(mesh, target, store.draft_config(path))
+        return store.load_draft_store(path, target, kind, dtype, mesh)
+    cfg, params = official.load_head(path, target, kind, dtype)
+    if mesh is None:
+        return cfg, params
+    sharding.check_mesh(mesh, target, cfg)
+    return cfg, sharding.place(params, sharding.draft_shardings(cfg, mesh))
+
+
+def load_tokenizer(path: str | Path, chat_template: str | None = None):
+    """The target's tokenizer from a store, HF folder or GGUF file; `chat_template` fills in a missing one."""
+    if is_gguf(path):
+        from eagle_jax.io import gguf
+
+        tok = gguf.tokenizer_from_gguf(path)
+    else:
+        folder = store.tokenizer_dir(path) if store.is_store(path) else Path(path)
+        if folder is None:
+            raise EagleError(f"{path}: the store holds no tokenizer")
+        from transformers import AutoTokenizer
+
+        try:
+            tok = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError) as exc:
+            raise EagleError(f"{folder}: cannot load a tokenizer ({str(exc).strip().splitlines()[0]})") from None
+    if not tok.chat_template and chat_template is not None:
+        tok.chat_template = chat_template
+    return tok

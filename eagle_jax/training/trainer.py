@@ -1,0 +1,319 @@
+"""An EAGLE-3 training run: data, vocabulary map, sharded train steps, checkpoints, logs and export.
+
+`train(RunConfig(...))` runs or resumes a run in its output folder, which holds run.json (the
+settings), vocab_map.npz (d2t, t2d, loss-masked token counts), ckpt/ (orbax training state),
+metrics.jsonl (one line per logged step), tau.jsonl (the head's real tau measured with the speculative
+engine on held-out prompts), curves.png, head/ (the final head as an orbax store) and export/ (the
+final head in the official format). A resumed run continues with the same batches and losses as an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from eagle_jax.decoding import speculative
+from eagle_jax.errors import EagleError
+from eagle_jax.io import files, loading, official, store
+from eagle_jax.models import draft
+from eagle_jax.models.config import DraftConfig, TargetConfig, eagle3_head_like
+from eagle_jax.models.params import init_params
+from eagle_jax.parallel import sharding
+from eagle_jax.training import checkpoints, data, objective
+from eagle_jax.training.step import Shardings, lr_schedule, make_optimizer, make_shardings, make_train_step
+
+DEFAULT_DRAFT_VOCAB = 32000
+# Flags that fix the data order, model and optimiser trajectory: a resumed run must repeat them.
+RESUME_KEYS = ("target", "data", "batch_size", "max_length", "ttt_steps", "lr", "warmup", "grad_accum", "seed",
+               "draft_vocab_size", "init_head", "bf16", "chat_template")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Everything that defines a run (saved as OUT/run.json)."""
+
+    target: str
+    data: tuple[str, ...]
+    out: str
+    steps: int = 1000
+    batch_size: int = 8
+    max_length: int = 2048
+    ttt_steps: int = 7
+    lr: float = 5e-5
+    warmup: int | None = None  # default: 5% of steps
+    grad_accum: int = 1
+    mesh: str | None = None
+    seed: int = 0
+    draft_vocab_size: int | None = None  # default: min(32000, target vocab)
+    init_head: str | None = None
+    bf16: bool = False
+    chat_template: str | None = None
+    save_every: int = 500
+    keep: int = 3
+    log_every: int = 10
+    tau_prompts: str | None = None
+    tau_every: int = 0
+    tau_max_new_tokens: int = 64
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else max(1, self.steps // 20)
+
+
+def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
+
+
+def export_head(params: dict, dcfg: DraftConfig, tcfg: TargetConfig, out: Path) -> list[str]:
+    """The trained head as an orbax store (OUT/head) and in the official format (OUT/export)."""
+    config = official.official_config(dcfg, tcfg)
+    params = jax.device_get(params)
+    store.save_draft(out / "head", config, params, kind="eagle3")
+    return official.save_head(out / "export", config, params, dcfg, overwrite=True)
+
+
+# ---------------------------------------------------------------- run directory
+
+
+class RunMismatch(EagleError):
+    """The output folder holds a run started with other defining settings: (name, saved, now) in `diffs`."""
+
+    def __init__(self, out: Path, diffs: list[tuple[str, object, object]]):
+        self.out, self.diffs = out, diffs
+        shown = "; ".join(f"{k}={saved!r} (now {now!r})" for k, saved, now in diffs)
+        super().__init__(f"{out} holds a run started with {shown}; repeat those settings to resume or use a new "
+                         "output folder")
+
+
+def check_resume(rc: RunConfig, out: Path) -> None:
+    """Refuse to resume a run in OUT that was started with different defining settings (`RunMismatch`)."""
+    path = out / "run.json"
+    if not path.is_file():
+        return
+    saved = files.read_json(path)
+    mine = json.loads(json.dumps(dataclasses.asdict(rc)))
+    diffs = [(k, saved.get(k), mine[k]) for k in RESUME_KEYS if saved.get(k) != mine[k]]
+    if diffs:
+        raise RunMismatch(out, diffs)
+
+
+def vocab_map(rc: RunConfig, out: Path, examples: list[data.Example], dcfg: DraftConfig,
+              init_map: dict | None) -> dict[str, np.ndarray]:
+    """d2t/t2d of the run: from OUT (resume), the initial head, or built once from the data; {} when Vd == V."""
+    path = out / "vocab_map.npz"
+    if path.is_file():
+        saved = np.load(path)
+        return {k: saved[k] for k in objective.VOCAB_MAP_KEYS if k in saved}
+    counts, first_seen = data.token_counts(examples, dcfg.vocab_size)
+    if init_map is not None:
+        maps = init_map
+    elif dcfg.has_vocab_map:
+        d2t, t2d = objective.build_vocab_map(counts, dcfg.draft_vocab_size, first_seen)
+        maps = {"d2t": d2t, "t2d": t2d}
+    else:
+        maps = {}
+    files.save_npz_atomic(path, counts=counts, **maps)
+    return maps
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Keep the complete lines of a JSONL log with 'step' <= step (what a resumed run will not repeat)."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line + "\n")
+    files.write_text_atomic(path, "".join(kept))
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def plot_curves(out: Path) -> Path | None:
+    """OUT/curves.png: loss, per-step accuracies, simulated and measured tau against the step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    if not rows:
+        return None
+    taus = [json.loads(line) for line in (out / "tau.jsonl").read_text().splitlines()] if (out / "tau.jsonl").is_file() else []
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, [r["loss"] for r in rows])
+    axes[0].set(title="TTT loss", xlabel="step", yscale="log")
+    acc = np.asarray([r["acc"] for r in rows])
+    for j in range(acc.shape[1]):
+        axes[1].plot(steps, acc[:, j], label=f"acc_{j}")
+    axes[1].set(title="accuracy per TTT step", xlabel="step", ylim=(0, 1))
+    axes[1].legend(fontsize=7)
+    axes[2].plot(steps, [r["tau_sim"] for r in rows], label="simulated tau")
+    if taus:
+        axes[2].plot([t["step"] for t in taus], [t["tau"] for t in taus], "o-", label="engine tau")
+    axes[2].set(title="tau", xlabel="step")
+    axes[2].legend()
+    fig.tight_layout()
+    path = out / "curves.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- real tau
+
+
+def tau_prompts(path: str, tokenizer, limit: int = 16) -> list[list[int]]:
+    """Held-out prompts: the first user turn of each record (eval `turns` lists or conversations), templated."""
+    records, _ = data.read_records(path)
+    prompts = []
+    for index, record in enumerate(records[:limit]):
+        where = f"{path}: record {index}"
+        if isinstance(record, dict) and isinstance(record.get("turns"), list) and record["turns"]:
+            first = {"role": "user", "content": str(record["turns"][0])}
+        else:
+            first = next((m for m in data.messages_of(record, where) if m["role"] == "user"), None)
+            if first is None:
+                raise EagleError(f"{where}: no user turn to use as a prompt")
+        text = tokenizer.apply_chat_template([first], tokenize=False, add_generation_prompt=True)
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not prompts:
+        raise EagleError(f"{path}: no prompts")
+    return prompts
+
+
+def measure_tau(tparams: dict, tcfg: TargetConfig, dparams: dict, dcfg: DraftConfig,
+                prompts: list[list[int]], max_new_tokens: int) -> float:
+    """Mean tokens per cycle of greedy speculative decoding (EAGLE-2 dynamic tree, upstream defaults)."""
+    return speculative.generate(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens).tau
+
+
+# ---------------------------------------------------------------- the run
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def train(rc: RunConfig) -> dict:
+    """Run (or resume) training; returns the last logged metrics record."""
+    out = Path(rc.out)
+    mesh = sharding.make_mesh(rc.mesh or f"fsdp={jax.device_count()}")
+    sharding.check_dims(mesh, {"batch": rc.batch_size}, "batch size")
+    check_resume(rc, out)
+
+    tcfg = loading.target_config(rc.target)  # weights later: bad settings and data fail first
+    tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
+    init_map = None
+    if rc.init_head:
+        dcfg, head = loading.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)  # fp32 master
+        if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
+            raise EagleError(f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s "
+                             f"({dcfg.draft_vocab_size})")
+        trainable_init, init_map = objective.split_trainable(head)
+    else:
+        dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
+        trainable_init = objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0]
+    examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
+    log(f"data: {stats.summary()}")
+    prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
+    out.mkdir(parents=True, exist_ok=True)
+    files.write_json_atomic(out / "run.json", dataclasses.asdict(rc))
+    maps = vocab_map(rc, out, examples, dcfg, init_map)
+
+    compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
+    optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum)
+    sh = make_shardings(tcfg, dcfg, optimizer, mesh)
+    tparams = loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1]
+    vmap_dev = sharding.place(maps, sh.vocab_map)
+    trainable = sharding.place(trainable_init, sh.trainable)
+    opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)
+    state = {"params": trainable, "opt_state": opt_state}
+
+    mgr = checkpoints.manager(out / "ckpt", rc.keep)
+    start = 0
+    restored = checkpoints.restore_latest(
+        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}))
+    if restored is not None:
+        state, meta = restored
+        start = int(meta["step"])
+        log(f"resuming {out} at step {start}")
+    for name in ("metrics.jsonl", "tau.jsonl"):
+        truncate_log(out / name, start)
+
+    step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype)
+    plan = data.BatchPlan([len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed,
+                          data.bucket_sizes(rc.max_length))
+    pad_id = tokenizer.pad_token_id or 0
+
+    def real_tau(step: int) -> None:
+        tau = measure_tau(tparams, tcfg, {**state["params"], **vmap_dev}, dcfg, prompts, rc.tau_max_new_tokens)
+        append_jsonl(out / "tau.jsonl", {"step": step, "tau": tau, "prompts": len(prompts)})
+        bar.write(f"step {step}: engine tau {tau:.3f} on {len(prompts)} held-out prompts")
+
+    bar = tqdm(total=rc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+    if prompts and start == 0 and rc.tau_every:
+        real_tau(0)
+    last: dict = {}
+    tokens, t0 = 0, time.perf_counter()
+    for step in range(start, rc.steps):
+        micro = []
+        for k in range(rc.grad_accum):
+            rows, length = plan(step * rc.grad_accum + k)
+            batch = data.collate([examples[i] for i in rows], length, pad_id)
+            tokens += batch.real_tokens
+            state["params"], state["opt_state"], m = step_fn(
+                state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh))
+            micro.append(m)
+        done = step + 1
+        if done % rc.log_every == 0 or done == rc.steps:
+            ms = jax.device_get(micro)
+            elapsed = time.perf_counter() - t0
+            correct = np.sum([m["n_correct"] for m in ms], axis=0)
+            denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
+            acc = (correct / (denom + 1e-6)).tolist()
+            last = {
+                "step": done,
+                "loss": float(np.mean([m["loss"] for m in ms])),
+                "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
+                "acc": acc,
+                "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+                "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
+                "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(step)),
+                "tokens_per_s": tokens / elapsed,
+            }
+            append_jsonl(out / "metrics.jsonl", last)
+            bar.set_postfix_str(
+                f"loss {last['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in acc)} tau~{last['tau_sim']:.2f} "
+                f"{last['tokens_per_s']:.0f} tok/s", refresh=False)
+            tokens, t0 = 0, time.perf_counter()
+        bar.update(1)
+        if prompts and rc.tau_every and done % rc.tau_every == 0:
+            real_tau(done)
+        if done % rc.save_every == 0 or done == rc.steps:
+            checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
+    bar.close()
+    mgr.wait_until_finished()
+    mgr.close()
+
+    exported = export_head({**state["params"], **maps}, dcfg, tcfg, out)
+    png = plot_curves(out) if (out / "metrics.jsonl").is_file() else None
+    log(f"exported {', '.join(exported)} to {out / 'export'}" + (f"; curves in {png}" if png else ""))
+    return last

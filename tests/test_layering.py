@@ -1,0 +1,73 @@
+"""The package tree is the architecture: nothing imports upward, the commands never import one another."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# library packages, bottom to top; a module imports its own package or lower ranks only
+LIBRARY_RANKS = {"errors": 0, "models": 1, "parallel": 2, "io": 3, "decoding": 3, "training": 4}
+COMMANDS = ("infer", "train", "convert")  # entry points: they may import the library and `cli`
+SHARED_CLI = "cli"
+
+
+def imports(path: Path) -> set[str]:
+    """Absolute module names a file imports (top level and inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def library_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "eagle_jax" and len(parts) > 1 and parts[1] in LIBRARY_RANKS else None
+
+
+def test_library_layers_point_down():
+    problems = []
+    for path in sorted((ROOT / "eagle_jax").rglob("*.py")):
+        own = path.relative_to(ROOT / "eagle_jax").parts[0].removesuffix(".py")
+        if own not in LIBRARY_RANKS:
+            continue
+        for module in imports(path):
+            top = module.split(".")[0]
+            if top in COMMANDS + (SHARED_CLI,):
+                problems.append(f"{path.relative_to(ROOT)} imports the command layer ({module})")
+            other = library_package(module)
+            if other is None or other == own:
+                continue
+            if LIBRARY_RANKS[other] >= LIBRARY_RANKS[own]:
+                problems.append(f"{path.relative_to(ROOT)} ({own}) imports {module} ({other}), not below it")
+    assert not problems, "\n".join(problems)
+
+
+def test_commands_never_import_one_another():
+    problems = []
+    for command in COMMANDS + (SHARED_CLI,):
+        for path in sorted((ROOT / command).rglob("*.py")):
+            for module in imports(path):
+                top = module.split(".")[0]
+                if top in COMMANDS and top != command or (command == SHARED_CLI and top in COMMANDS):
+                    problems.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not problems, "\n".join(problems)
+
+
+def test_planted_upward_import_is_caught(tmp_path, monkeypatch):
+    """The checker itself: a models module importing decoding is reported."""
+    bad = tmp_path / "eagle_jax" / "models" / "bad.py"
+    bad.parent.mkdir(parents=True)
+    bad.write_text("from eagle_jax.decoding import schedule\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    try:
+        test_library_layers_point_down()
+    except AssertionError as exc:
+        assert "models/bad.py (models) imports eagle_jax.decoding" in str(exc)
+    else:
+        raise AssertionError("an upward import went unnoticed")
