@@ -17,7 +17,8 @@ import argparse
 import contextlib
 import sys
 import warnings
-from typing import Callable, Iterator, NoReturn, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn
 
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed

@@ -32,8 +32,9 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 
@@ -42,7 +43,13 @@ from eagle_jax.decoding import programs
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading, store
-from eagle_jax.models.config import DraftConfig, TargetConfig, draft_config_from_hf, eagle3_head_like, target_config_from_hf
+from eagle_jax.models.config import (
+    DraftConfig,
+    TargetConfig,
+    draft_config_from_hf,
+    eagle3_head_like,
+    target_config_from_hf,
+)
 from eagle_jax.parallel import memory, sharding
 from eagle_jax.training import step
 
@@ -58,22 +65,30 @@ def use_cpu_devices(n: int, argv: Sequence[str]) -> list:
         return jax.devices()
     if os.environ.get("EAGLE_JAX_PLAN_CHILD"):
         raise EagleError(f"could not get {n} virtual CPU devices (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})")
-    env = {**os.environ, "EAGLE_JAX_PLAN_CHILD": "1", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    env = {
+        **os.environ,
+        "EAGLE_JAX_PLAN_CHILD": "1",
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}",
+    }
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, "-m", "infer.plan", *argv], env)
 
 
-def model_configs(config: str, models: str | None = None,
-                  draft_vocab: int = 32000) -> tuple[TargetConfig, DraftConfig, Any, str | None]:
+def model_configs(
+    config: str, models: str | None = None, draft_vocab: int = 32000
+) -> tuple[TargetConfig, DraftConfig, Any, str | None]:
     """(TargetConfig, DraftConfig, tree or None, dtype name or None) from a preset, a store, an HF model
     directory or a GGUF file; a target without its own head gets an EAGLE-3 head shaped like one of its layers."""
     path = Path(config)
     if path.is_dir() or loading.is_gguf(path):
         tcfg = loading.target_config(path)
         m = store.read_manifest(path) if store.is_store(path) else None
-        dcfg = (draft_config_from_hf(m.draft_config, m.draft_kind) if m is not None and m.draft_config is not None
-                else eagle3_head_like(tcfg, min(draft_vocab, tcfg.vocab_size)))
+        dcfg = (
+            draft_config_from_hf(m.draft_config, m.draft_kind)
+            if m is not None and m.draft_config is not None
+            else eagle3_head_like(tcfg, min(draft_vocab, tcfg.vocab_size))
+        )
         return tcfg, dcfg, None, None
     preset = presets.load_preset(config)
 
@@ -92,23 +107,45 @@ def model_configs(config: str, models: str | None = None,
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = command.ArgumentParser(prog="python -m infer.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", "--target", dest="config", required=True,
-                   help="preset name or .json (configs/), store, or Hugging Face model directory")
-    p.add_argument("--mesh", default=None, help="e.g. tensor=8 or data=2,tensor=4 (default: tensor over all devices; "
-                                                "training: fsdp over all devices)")
+    p.add_argument(
+        "--config",
+        "--target",
+        dest="config",
+        required=True,
+        help="preset name or .json (configs/), store, or Hugging Face model directory",
+    )
+    p.add_argument(
+        "--mesh",
+        default=None,
+        help="e.g. tensor=8 or data=2,tensor=4 (default: tensor over all devices; training: fsdp over all devices)",
+    )
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=1)
-    p.add_argument("--max-len", "--max-length", dest="max_len", type=int, default=4096,
-                   help="inference: cache slots per row; training: sequence length")
+    p.add_argument(
+        "--max-len",
+        "--max-length",
+        dest="max_len",
+        type=int,
+        default=4096,
+        help="inference: cache slots per row; training: sequence length",
+    )
     p.add_argument("--devices", type=int, default=None, help="virtual devices (default: the mesh's size, else 8)")
-    p.add_argument("--tpu", choices=[t.name for t in memory.TPUS], default=None,
-                   help="compile with the TPU compiler for this slice (needs libtpu; no TPU needed) instead of on CPU")
-    p.add_argument("--dtype", choices=tuple(command.DTYPES), default=None, help="weights (default: the preset's, else bf16)")
+    p.add_argument(
+        "--tpu",
+        choices=[t.name for t in memory.TPUS],
+        default=None,
+        help="compile with the TPU compiler for this slice (needs libtpu; no TPU needed) instead of on CPU",
+    )
+    p.add_argument(
+        "--dtype", choices=tuple(command.DTYPES), default=None, help="weights (default: the preset's, else bf16)"
+    )
     p.add_argument("--prompt-len", type=int, default=None, help="prefill prompt length (default: --max-len)")
     p.add_argument("--train", "--plan", dest="train", action="store_true", help="plan a TTT training step instead")
     p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--bf16", action="store_true", help="training: bf16 target and compute (as train.eagle3 --bf16)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="head vocabulary for a bare model directory")
-    p.add_argument("--models", default=None, help="models root of the presets (default $EAGLE_JAX_MODELS, else ./models)")
+    p.add_argument(
+        "--models", default=None, help="models root of the presets (default $EAGLE_JAX_MODELS, else ./models)"
+    )
     a = p.parse_args(argv)
     for name in ("batch", "max_len", "ttt_steps"):
         if getattr(a, name) < 1:
@@ -138,8 +175,9 @@ def _main(argv: Sequence[str] | None) -> int:
         result = step.plan_training(tcfg, dcfg, mesh, a.batch, a.max_len, a.ttt_steps, bf16=a.bf16 or a.dtype == "bf16")
     else:
         dtype = command.parse_dtype(a.dtype or preset_dtype or "bf16")
-        result = programs.plan_inference(tcfg, dcfg, mesh, a.batch, a.max_len, dtype, tree or DynamicTree(),
-                                         a.prompt_len)
+        result = programs.plan_inference(
+            tcfg, dcfg, mesh, a.batch, a.max_len, dtype, tree or DynamicTree(), a.prompt_len
+        )
     print(memory.report(name, result, (tpu,) if tpu else memory.TPUS), flush=True)
     return 0
 

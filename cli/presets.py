@@ -69,7 +69,7 @@ class Preset:
 
 def _model_ref(raw: Any, where: str, extra: tuple[str, ...] = ()) -> ModelRef:
     if not isinstance(raw, dict) or not isinstance(raw.get("hub"), str) or raw["hub"].count("/") != 1:
-        raise EagleError(f"{where}: needs {{\"hub\": \"owner/name\"}}")
+        raise EagleError(f'{where}: needs {{"hub": "owner/name"}}')
     unknown = set(raw) - {"hub", "dir", *extra}
     if unknown:
         raise EagleError(f"{where}: unknown keys {sorted(unknown)}")
@@ -82,7 +82,7 @@ def _tree(raw: Any, where: str) -> TreeConfig:
         return parse_static(static if isinstance(static, str) else json.dumps(static))
     if isinstance(raw, dict) and set(raw) <= {"total_tokens", "depth", "top_k"}:
         return DynamicTree(**{k: int(v) for k, v in raw.items()})
-    raise EagleError(f"{where}: tree must be {{\"total_tokens\", \"depth\", \"top_k\"}} or {{\"static\": ...}}")
+    raise EagleError(f'{where}: tree must be {{"total_tokens", "depth", "top_k"}} or {{"static": ...}}')
 
 
 def preset_from_dict(raw: dict, name: str) -> Preset:
@@ -135,21 +135,63 @@ def load_preset(name: str) -> Preset:
 
 
 # Public config.json values of the checkpoints the presets name (for planning without downloading them).
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-          "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-          "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}
-_EAGLE3 = {"num_hidden_layers": 1, "vocab_size": 128256, "draft_vocab_size": 32000, "rms_norm_eps": 1e-5,
-           "rope_theta": 500000.0, "rope_scaling": _LLAMA3_ROPE, "max_position_embeddings": 2048}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": _LLAMA3_ROPE,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+_EAGLE3 = {
+    "num_hidden_layers": 1,
+    "vocab_size": 128256,
+    "draft_vocab_size": 32000,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": _LLAMA3_ROPE,
+    "max_position_embeddings": 2048,
+}
 # Public config.json values of the checkpoints the presets name (used when they are not downloaded).
 HUB_CONFIGS: dict[str, dict] = {
-    "meta-llama/Llama-3.3-70B-Instruct": {**_LLAMA, "hidden_size": 8192, "intermediate_size": 28672,
-                                          "num_hidden_layers": 80, "num_attention_heads": 64, "num_key_value_heads": 8},
-    "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B": {**_EAGLE3, "hidden_size": 8192, "intermediate_size": 28672,
-                                             "num_attention_heads": 64, "num_key_value_heads": 8},
-    "meta-llama/Llama-3.1-8B-Instruct": {**_LLAMA, "hidden_size": 4096, "intermediate_size": 14336,
-                                         "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8},
-    "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B": {**_EAGLE3, "hidden_size": 4096, "intermediate_size": 14336,
-                                            "num_attention_heads": 32, "num_key_value_heads": 8},
+    "meta-llama/Llama-3.3-70B-Instruct": {
+        **_LLAMA,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+    "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B": {
+        **_EAGLE3,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+    },
+    "meta-llama/Llama-3.1-8B-Instruct": {
+        **_LLAMA,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
+    "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B": {
+        **_EAGLE3,
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+    },
 }

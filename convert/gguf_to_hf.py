@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections import Counter
-from typing import Sequence
+from collections.abc import Sequence
 
 from cli import command
 from eagle_jax.io import files

@@ -11,8 +11,8 @@ keys, shapes and dtypes (`d2t` int64, `t2d` bool), as the upstream code and serv
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from cli import command
 from eagle_jax.io import files, official

@@ -12,12 +12,11 @@ store (`eagle_jax.io.convert.verify`).
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from cli import command
 from eagle_jax.io import convert, files, store
 from eagle_jax.models.config import DRAFT_KINDS
-
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -25,7 +24,9 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--target", required=True, help="Hugging Face target directory (config.json, weights, tokenizer)")
     p.add_argument("--draft", help="official EAGLE-1/EAGLE-3 head directory (config.json + safetensors or .bin)")
     p.add_argument("--out", required=True, help="store directory to write")
-    p.add_argument("--dtype", choices=tuple(command.DTYPES), help="cast floating weights (default: keep the files' dtype)")
+    p.add_argument(
+        "--dtype", choices=tuple(command.DTYPES), help="cast floating weights (default: keep the files' dtype)"
+    )
     p.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected from its keys)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     p.add_argument("--verify", action="store_true", help="compare one torch and one JAX forward of each model")

@@ -28,13 +28,22 @@ from eagle_jax.models.config import RopeConfig, TargetConfig
 from eagle_jax.models.params import init_params, param_count, with_dtype
 
 BENCH_CONFIG = TargetConfig(
-    family="llama", vocab_size=32000, hidden_size=768, intermediate_size=2048, num_layers=12,
-    num_heads=12, num_kv_heads=12, head_dim=64, rms_norm_eps=1e-6, rope=RopeConfig(),
+    family="llama",
+    vocab_size=32000,
+    hidden_size=768,
+    intermediate_size=2048,
+    num_layers=12,
+    num_heads=12,
+    num_kv_heads=12,
+    head_dim=64,
+    rms_norm_eps=1e-6,
+    rope=RopeConfig(),
 )
 
 
-def bench_batch(params: dict, cfg: TargetConfig, batch: int, prompt_len: int, new_tokens: int,
-                repeats: int, progress: tqdm) -> dict:
+def bench_batch(
+    params: dict, cfg: TargetConfig, batch: int, prompt_len: int, new_tokens: int, repeats: int, progress: tqdm
+) -> dict:
     """Median prefill and decode throughput over `repeats` timed runs after one warm-up run."""
     rng = np.random.default_rng(batch)
     prompts = rng.integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
@@ -46,7 +55,8 @@ def bench_batch(params: dict, cfg: TargetConfig, batch: int, prompt_len: int, ne
     for run in range(repeats + 1):
         t0 = time.perf_counter()
         cache, first = jax.block_until_ready(
-            plain.prefill(params, tokens, lengths, key, cfg=cfg, sc=sc, capacity=capacity))
+            plain.prefill(params, tokens, lengths, key, cfg=cfg, sc=sc, capacity=capacity)
+        )
         t1 = time.perf_counter()
         state = jax.block_until_ready(plain.decode(params, cache, first, limits, key, cfg=cfg, sc=sc))
         t2 = time.perf_counter()
@@ -87,18 +97,27 @@ def main(argv: list[str] | None = None) -> None:
     specs = with_dtype(target.param_specs(cfg), jnp.dtype(args.dtype))
     params = jax.block_until_ready(init_params(specs, jax.random.key(0)))
     device = jax.devices()[0]
-    print(f"model: {param_count(specs) / 1e6:.1f}M parameters ({args.dtype}); device: {device.platform} "
-          f"{device.device_kind}; prompt {args.prompt_len}, {args.new_tokens} new tokens")
+    print(
+        f"model: {param_count(specs) / 1e6:.1f}M parameters ({args.dtype}); device: {device.platform} "
+        f"{device.device_kind}; prompt {args.prompt_len}, {args.new_tokens} new tokens"
+    )
     results = []
     with tqdm(total=len(batches) * (args.repeats + 1), desc="bench", unit="run") as progress:
         for batch in batches:
             results.append(bench_batch(params, cfg, batch, args.prompt_len, args.new_tokens, args.repeats, progress))
     for r in results:
-        print(f"batch {r['batch']:>3}: prefill {r['prefill_tokens_per_s']:>9.1f} tok/s ({r['prefill_s'] * 1e3:.1f} ms)"
-              f" | decode {r['decode_tokens_per_s']:>8.1f} tok/s ({r['decode_ms_per_step']:.2f} ms/step)")
+        print(
+            f"batch {r['batch']:>3}: prefill {r['prefill_tokens_per_s']:>9.1f} tok/s ({r['prefill_s'] * 1e3:.1f} ms)"
+            f" | decode {r['decode_tokens_per_s']:>8.1f} tok/s ({r['decode_ms_per_step']:.2f} ms/step)"
+        )
     if args.json:
-        report = {"params": param_count(specs), "dtype": args.dtype, "device": f"{device.platform} {device.device_kind}",
-                  "config": {k: v for k, v in vars(args).items() if k != "json"}, "results": results}
+        report = {
+            "params": param_count(specs),
+            "dtype": args.dtype,
+            "device": f"{device.platform} {device.device_kind}",
+            "config": {k: v for k, v in vars(args).items() if k != "json"},
+            "results": results,
+        }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
 

@@ -34,10 +34,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 from tqdm import tqdm
 
 from cli import demo
@@ -51,8 +50,18 @@ from eagle_jax.training import data
 
 # (total_tokens, depth, top_k): chains of 3-7 drafts (top-k 1, depth + 1 levels: what an accurate head wants
 # where verifying is not free), deep narrow trees of 8-24 nodes, and wide ones up to upstream's 60 / 7 / 10
-AUTO_CANDIDATES = ((4, 2, 1), (5, 3, 1), (6, 4, 1), (8, 6, 1), (8, 5, 2), (12, 5, 2), (16, 6, 2), (24, 7, 2),
-                   (32, 7, 4), (60, 7, 10))
+AUTO_CANDIDATES = (
+    (4, 2, 1),
+    (5, 3, 1),
+    (6, 4, 1),
+    (8, 6, 1),
+    (8, 5, 2),
+    (12, 5, 2),
+    (16, 6, 2),
+    (24, 7, 2),
+    (32, 7, 4),
+    (60, 7, 10),
+)
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:
@@ -69,8 +78,9 @@ def read_questions(path: Path, limit: int | None) -> list[dict]:
         turns = q.get("turns") if isinstance(q, dict) else None
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise EagleError(f"{path}:{n}: expected an object with 'turns' (a non-empty list of strings)")
-        out.append({"question_id": q.get("question_id", n), "category": str(q.get("category") or path.stem),
-                    "turns": turns})
+        out.append(
+            {"question_id": q.get("question_id", n), "category": str(q.get("category") or path.stem), "turns": turns}
+        )
         if limit and len(out) >= limit:
             break
     if not out:
@@ -81,8 +91,17 @@ def read_questions(path: Path, limit: int | None) -> list[dict]:
 class Runner:
     """One target + draft + tokenizer; times plain and speculative generation of one prompt."""
 
-    def __init__(self, target_dir, draft_dir, tree, temperature: float, max_new_tokens: int,
-                 max_prompt_tokens: int, chat_template: str | None = None, seed: int = 0):
+    def __init__(
+        self,
+        target_dir,
+        draft_dir,
+        tree,
+        temperature: float,
+        max_new_tokens: int,
+        max_prompt_tokens: int,
+        chat_template: str | None = None,
+        seed: int = 0,
+    ):
         # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
         self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32)
         self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)
@@ -104,7 +123,7 @@ class Runner:
     def prompt(self, history: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[-self.max_prompt_tokens:]  # keep the end (the question and the generation prompt)
+        return ids[-self.max_prompt_tokens :]  # keep the end (the question and the generation prompt)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -121,28 +140,51 @@ class Runner:
         p = self.prepare(ids, max_new_tokens or self.max_new_tokens)
         key = jax.random.key(self.seed)
         t0 = time.perf_counter()
-        cache, first = jax.block_until_ready(plain.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg,
-                                                           sc=self.sampling, capacity=p.capacity))
+        cache, first = jax.block_until_ready(
+            plain.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity)
+        )
         t1 = time.perf_counter()
-        state = jax.block_until_ready(plain.decode(self.tparams, cache, first, p.limits, key, cfg=self.tcfg,
-                                                   sc=self.sampling))
+        state = jax.block_until_ready(
+            plain.decode(self.tparams, cache, first, p.limits, key, cfg=self.tcfg, sc=self.sampling)
+        )
         t2 = time.perf_counter()
         toks = plain.result(state, p.tokens.shape[1]).tokens[0]
-        return {"tokens": toks, "prefill_s": t1 - t0, "decode_s": t2 - t1, "seconds": t2 - t0,
-                "steps": max(0, len(toks) - 1)}
+        return {
+            "tokens": toks,
+            "prefill_s": t1 - t0,
+            "decode_s": t2 - t1,
+            "seconds": t2 - t0,
+            "steps": max(0, len(toks) - 1),
+        }
 
     def speculative(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
         p = self.prepare(ids, max_new_tokens or self.max_new_tokens)
         static = dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
         t0 = time.perf_counter()
-        state = jax.block_until_ready(speculative.prefill(self.tparams, self.dparams, p.tokens, p.lengths, p.limits,
-                                                          jax.random.key(self.seed), capacity=p.capacity, **static))
+        state = jax.block_until_ready(
+            speculative.prefill(
+                self.tparams,
+                self.dparams,
+                p.tokens,
+                p.lengths,
+                p.limits,
+                jax.random.key(self.seed),
+                capacity=p.capacity,
+                **static,
+            )
+        )
         t1 = time.perf_counter()
         state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, **static))
         t2 = time.perf_counter()
         res = speculative.result(state)
-        return {"tokens": res.tokens[0], "accept_lengths": res.accept_lengths[0], "prefill_s": t1 - t0,
-                "decode_s": t2 - t1, "seconds": t2 - t0, "cycles": len(res.accept_lengths[0])}
+        return {
+            "tokens": res.tokens[0],
+            "accept_lengths": res.accept_lengths[0],
+            "prefill_s": t1 - t0,
+            "decode_s": t2 - t1,
+            "seconds": t2 - t0,
+            "cycles": len(res.accept_lengths[0]),
+        }
 
     def warm(self, ids: list[int]) -> None:
         """Compile the prompt's bucket for both decoders, prefill and every attention span (untimed)."""
@@ -152,11 +194,13 @@ class Runner:
         p = self.prepare(ids, 1)
         key, idle = jax.random.key(self.seed), p.limits * 0  # rows with no budget: every loop exits at once
         static = dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
-        cache, first = plain.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling,
-                                     capacity=p.capacity)
+        cache, first = plain.prefill(
+            self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity
+        )
         plain_state = plain.init_state(cache, first, idle, self.tcfg)
-        spec_state = speculative.prefill(self.tparams, self.dparams, p.tokens, p.lengths, idle, key,
-                                         capacity=p.capacity, **static)
+        spec_state = speculative.prefill(
+            self.tparams, self.dparams, p.tokens, p.lengths, idle, key, capacity=p.capacity, **static
+        )
         for span in schedule.all_spans(p.capacity):
             plain_state = plain.decode_span(self.tparams, plain_state, key, cfg=self.tcfg, sc=self.sampling, span=span)
             spec_state = speculative.run_span(self.tparams, self.dparams, spec_state, span=span, **static)
@@ -216,8 +260,14 @@ def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
     def forwards(params, cache):
         def one(i, cache):
             tokens = jnp.full((1, n), i, jnp.int32)
-            out = target.forward(params, runner.tcfg, tokens, cache.lengths[:, None] + jnp.arange(n)[None], cache,
-                                       span=schedule.attention_span(ctx + n, runner.capacity))
+            out = target.forward(
+                params,
+                runner.tcfg,
+                tokens,
+                cache.lengths[:, None] + jnp.arange(n)[None],
+                cache,
+                span=schedule.attention_span(ctx + n, runner.capacity),
+            )
             # lengths stay at ctx, but depend on the logits so that nothing is skipped
             return kv_cache.advance(out.cache, jnp.minimum(jnp.sum(argmax(out.logits)), 0)[None])
 
@@ -232,8 +282,9 @@ def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
     return 1000 * statistics.median(times) / reps
 
 
-def auto_budget(runner: Runner, prompts: list[list[int]], candidates, max_new_tokens: int, log,
-                rounds: int = 3) -> dict:
+def auto_budget(
+    runner: Runner, prompts: list[list[int]], candidates, max_new_tokens: int, log, rounds: int = 3
+) -> dict:
     """Measure tokens/s of each tree envelope on the calibration prompts; pick the fastest.
 
     After one compiling pass, the candidates are timed in `rounds` interleaved rounds, so that a slow
@@ -248,62 +299,90 @@ def auto_budget(runner: Runner, prompts: list[list[int]], candidates, max_new_to
         for cand in candidates:
             runner.set_tree(cand)
             done = [runner.speculative(ids, max_new_tokens) for ids in prompts]
-            runs[cand].append((sum(len(r["tokens"]) for r in done), sum(r["cycles"] for r in done),
-                               sum(r["decode_s"] for r in done)))
+            runs[cand].append(
+                (sum(len(r["tokens"]) for r in done), sum(r["cycles"] for r in done), sum(r["decode_s"] for r in done))
+            )
     rows = []
     for cand in candidates:
         tokens, cycles, seconds = sorted(runs[cand], key=lambda r: r[0] / r[2])[rounds // 2]
-        row = {"total_tokens": cand[0], "depth": cand[1], "top_k": cand[2], "tau": round(tokens / max(1, cycles), 3),
-               "cycle_ms": round(1000 * seconds / max(1, cycles), 3), "tokens_per_s": round(tokens / seconds, 2),
-               "verify_ms": round(verify_ms[cand[0]], 3),
-               "verify_over_one_token": round(verify_ms[cand[0]] / verify_ms[1], 3)}
+        row = {
+            "total_tokens": cand[0],
+            "depth": cand[1],
+            "top_k": cand[2],
+            "tau": round(tokens / max(1, cycles), 3),
+            "cycle_ms": round(1000 * seconds / max(1, cycles), 3),
+            "tokens_per_s": round(tokens / seconds, 2),
+            "verify_ms": round(verify_ms[cand[0]], 3),
+            "verify_over_one_token": round(verify_ms[cand[0]] / verify_ms[1], 3),
+        }
         rows.append(row)
-        log(f"auto-budget: total_tokens={cand[0]} depth={cand[1]} top_k={cand[2]}: tau {row['tau']}, "
+        log(
+            f"auto-budget: total_tokens={cand[0]} depth={cand[1]} top_k={cand[2]}: tau {row['tau']}, "
             f"cycle {row['cycle_ms']} ms, {row['tokens_per_s']} tokens/s (target over {cand[0]} tokens: "
-            f"{row['verify_over_one_token']}x one token)")
+            f"{row['verify_over_one_token']}x one token)"
+        )
     best = max(rows, key=lambda r: r["tokens_per_s"])
     runner.set_tree((best["total_tokens"], best["depth"], best["top_k"]))
-    return {"chosen": {k: best[k] for k in ("total_tokens", "depth", "top_k")}, "candidates": rows,
-            "rounds": rounds, "target_forward_ms": {str(k): round(v, 3) for k, v in verify_ms.items()}}
+    return {
+        "chosen": {k: best[k] for k in ("total_tokens", "depth", "top_k")},
+        "candidates": rows,
+        "rounds": rounds,
+        "target_forward_ms": {str(k): round(v, 3) for k, v in verify_ms.items()},
+    }
 
 
 # ---------------------------------------------------------------- reports
 
 
 def markdown(report: dict) -> str:
-    head = "| set | questions | turns | tau | spec tok/s | plain tok/s | speedup | c | mismatches |\n" \
-           "|---|---|---|---|---|---|---|---|---|\n"
+    head = (
+        "| set | questions | turns | tau | spec tok/s | plain tok/s | speedup | c | mismatches |\n"
+        "|---|---|---|---|---|---|---|---|---|\n"
+    )
 
     def row(name, s):
         sp = f"{s['speedup']:.2f}x" if s["speedup"] else "-"
         c = f"{s['c']:.2f}" if s["c"] is not None else "-"
         mm = s["mismatches"] if s["mismatches"] is not None else "n/a"
-        return (f"| {name} | {s['questions']} | {s['turns']} | {s['tau']:.2f} | {s['tokens_per_s_spec']:.1f} | "
-                f"{s['tokens_per_s_plain']:.1f} | {sp} | {c} | {mm} |\n")
+        return (
+            f"| {name} | {s['questions']} | {s['turns']} | {s['tau']:.2f} | {s['tokens_per_s_spec']:.1f} | "
+            f"{s['tokens_per_s_plain']:.1f} | {sp} | {c} | {mm} |\n"
+        )
 
     t = report["tree"]
-    lines = [f"# Benchmark: {report['target']} + {report['draft']}\n\n",
-             f"tree: total_tokens={t['total_tokens']} depth={t['depth']} top_k={t['top_k']}"
-             f"{' (auto-budget)' if report.get('auto_budget') else ''}; temperature {report['temperature']}; "
-             f"max_new_tokens {report['max_new_tokens']}; device {report['device']}\n\n", head,
-             row("**all**", report)]
+    lines = [
+        f"# Benchmark: {report['target']} + {report['draft']}\n\n",
+        f"tree: total_tokens={t['total_tokens']} depth={t['depth']} top_k={t['top_k']}"
+        f"{' (auto-budget)' if report.get('auto_budget') else ''}; temperature {report['temperature']}; "
+        f"max_new_tokens {report['max_new_tokens']}; device {report['device']}\n\n",
+        head,
+        row("**all**", report),
+    ]
     for name, s in report["files"].items():
         lines.append(row(name, s))
     for name, s in report["categories"].items():
         lines.append(row(f"{name} (category)", s))
-    lines.append("\nn-alpha (acceptance at depth n given depth n-1 accepted): "
-                 + ", ".join(f"{i + 1}: {a:.2f}" if a is not None else f"{i + 1}: -"
-                             for i, a in enumerate(report["n_alpha"])) + "\n")
-    lines.append(f"\ncycle {report['cycle_ms']:.2f} ms; plain decode step {report['plain_step_ms']:.2f} ms; "
-                 f"decoding alone: tau/(1+c) = {report['tau'] / (1 + report['c']):.2f}x; prefill per turn "
-                 f"{report['prefill_ms_spec']:.1f} ms (speculative, target + draft) / "
-                 f"{report['prefill_ms_plain']:.1f} ms (plain)\n")
+    lines.append(
+        "\nn-alpha (acceptance at depth n given depth n-1 accepted): "
+        + ", ".join(f"{i + 1}: {a:.2f}" if a is not None else f"{i + 1}: -" for i, a in enumerate(report["n_alpha"]))
+        + "\n"
+    )
+    lines.append(
+        f"\ncycle {report['cycle_ms']:.2f} ms; plain decode step {report['plain_step_ms']:.2f} ms; "
+        f"decoding alone: tau/(1+c) = {report['tau'] / (1 + report['c']):.2f}x; prefill per turn "
+        f"{report['prefill_ms_spec']:.1f} ms (speculative, target + draft) / "
+        f"{report['prefill_ms_plain']:.1f} ms (plain)\n"
+    )
     if report.get("auto_budget"):
-        lines.append("\n| total_tokens | depth | top_k | tau | cycle ms | tok/s | target(N)/target(1) |\n"
-                     "|---|---|---|---|---|---|---|\n")
+        lines.append(
+            "\n| total_tokens | depth | top_k | tau | cycle ms | tok/s | target(N)/target(1) |\n"
+            "|---|---|---|---|---|---|---|\n"
+        )
         for r in report["auto_budget"]["candidates"]:
-            lines.append(f"| {r['total_tokens']} | {r['depth']} | {r['top_k']} | {r['tau']:.2f} | {r['cycle_ms']:.2f}"
-                         f" | {r['tokens_per_s']:.1f} | {r['verify_over_one_token']:.2f} |\n")
+            lines.append(
+                f"| {r['total_tokens']} | {r['depth']} | {r['top_k']} | {r['tau']:.2f} | {r['cycle_ms']:.2f}"
+                f" | {r['tokens_per_s']:.1f} | {r['verify_over_one_token']:.2f} |\n"
+            )
     return "".join(lines)
 
 
@@ -333,8 +412,10 @@ def plot(report: dict, path: Path) -> None:
     axes[2].set_ylabel("n-alpha")
     axes[2].set_ylim(0, 1)
     t = report["tree"]
-    fig.suptitle(f"tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x, c {report['c']:.2f} "
-                 f"(tree {t['total_tokens']}/{t['depth']}/{t['top_k']})")
+    fig.suptitle(
+        f"tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x, c {report['c']:.2f} "
+        f"(tree {t['total_tokens']}/{t['depth']}/{t['top_k']})"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -355,12 +436,22 @@ def run_benchmark(args, log=print) -> dict:
     files = [Path(q) for q in args.questions]
     sets = {f.stem: read_questions(f, args.limit) for f in files}
     tree = (args.total_tokens, args.depth, args.tree_top_k)
-    runner = Runner(args.target, args.draft, tree, args.temperature, args.max_new_tokens,
-                    args.max_prompt_tokens, args.chat_template, args.seed)
+    runner = Runner(
+        args.target,
+        args.draft,
+        tree,
+        args.temperature,
+        args.max_new_tokens,
+        args.max_prompt_tokens,
+        args.chat_template,
+        args.seed,
+    )
     max_accept = runner.tree.max_depth
     auto = None
     if args.auto_budget:
-        calib = [runner.prompt([{"role": "user", "content": q["turns"][0]}]) for q in calibration_questions(files, args)]
+        calib = [
+            runner.prompt([{"role": "user", "content": q["turns"][0]}]) for q in calibration_questions(files, args)
+        ]
         auto = auto_budget(runner, calib, AUTO_CANDIDATES, min(128, args.max_new_tokens), log)
         max_accept = runner.tree.max_depth
         c = auto["chosen"]
@@ -385,41 +476,67 @@ def run_benchmark(args, log=print) -> dict:
                     spec = runner.speculative(ids)
                 k += 1
                 mismatch = greedy and spec["tokens"] != plain["tokens"]
-                records.append({"file": name, "question_id": q["question_id"], "category": q["category"],
-                                "turn": turn, "prompt_tokens": len(ids), "spec": spec, "plain": plain,
-                                "mismatch": mismatch})
+                records.append(
+                    {
+                        "file": name,
+                        "question_id": q["question_id"],
+                        "category": q["category"],
+                        "turn": turn,
+                        "prompt_tokens": len(ids),
+                        "spec": spec,
+                        "plain": plain,
+                        "mismatch": mismatch,
+                    }
+                )
                 history.append({"role": "assistant", "content": runner.decode(plain["tokens"])})
                 bar.update(1)
-                bar.set_postfix(tau=f"{sum(len(r['spec']['tokens']) for r in records) / max(1, sum(r['spec']['cycles'] for r in records)):.2f}")
+                tau = sum(len(r["spec"]["tokens"]) for r in records) / max(1, sum(r["spec"]["cycles"] for r in records))
+                bar.set_postfix(tau=f"{tau:.2f}")
     bar.close()
     report = summarise(records, max_accept)
     if not greedy:
         report["mismatches"] = None
         report["mismatched_questions"] = None
     t = runner.tree
-    report.update({
-        "target": str(args.target), "draft": str(args.draft), "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens, "device": f"{jax.devices()[0].platform} ({jax.device_count()})",
-        "tree": {"total_tokens": t.total_tokens, "depth": t.depth, "top_k": t.top_k},
-        "question_files": [str(f) for f in files],
-        "files": {n: summarise([r for r in records if r["file"] == n], max_accept) for n in sets},
-        "categories": {c: summarise([r for r in records if r["category"] == c], max_accept)
-                       for c in dict.fromkeys(r["category"] for r in records)},
-        "auto_budget": auto,
-    })
+    report.update(
+        {
+            "target": str(args.target),
+            "draft": str(args.draft),
+            "temperature": args.temperature,
+            "max_new_tokens": args.max_new_tokens,
+            "device": f"{jax.devices()[0].platform} ({jax.device_count()})",
+            "tree": {"total_tokens": t.total_tokens, "depth": t.depth, "top_k": t.top_k},
+            "question_files": [str(f) for f in files],
+            "files": {n: summarise([r for r in records if r["file"] == n], max_accept) for n in sets},
+            "categories": {
+                c: summarise([r for r in records if r["category"] == c], max_accept)
+                for c in dict.fromkeys(r["category"] for r in records)
+            },
+            "auto_budget": auto,
+        }
+    )
     if not greedy:
         for group in list(report["files"].values()) + list(report["categories"].values()):
             group["mismatches"] = None
     if args.save_outputs:
-        report["outputs"] = [{"file": r["file"], "question_id": r["question_id"], "turn": r["turn"],
-                              "answer": runner.decode(r["plain"]["tokens"]), "mismatch": r["mismatch"]}
-                             for r in records]
+        report["outputs"] = [
+            {
+                "file": r["file"],
+                "question_id": r["question_id"],
+                "turn": r["turn"],
+                "answer": runner.decode(r["plain"]["tokens"]),
+                "mismatch": r["mismatch"],
+            }
+            for r in records
+        ]
     return report
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--questions", nargs="+", required=True, help="question files (JSONL: question_id, category, turns)")
+    ap.add_argument(
+        "--questions", nargs="+", required=True, help="question files (JSONL: question_id, category, turns)"
+    )
     ap.add_argument("--limit", type=int, default=None, help="first N questions of each file")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
@@ -432,8 +549,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tree-top-k", type=int, default=demo.TREE.top_k)
     ap.add_argument("--auto-budget", action="store_true", help="pick the tree envelope by timing it here")
     ap.add_argument("--calibration-prompts", type=int, default=8, help="--auto-budget: prompts timed per tree")
-    ap.add_argument("--json", default=None, help="output JSON (default runs/benchmark/<questions>.json); "
-                    ".md and .png are written next to it")
+    ap.add_argument(
+        "--json",
+        default=None,
+        help="output JSON (default runs/benchmark/<questions>.json); .md and .png are written next to it",
+    )
     ap.add_argument("--save-outputs", action="store_true", help="include the answers in the JSON")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
@@ -450,7 +570,11 @@ def main(argv=None) -> None:
         report = run_benchmark(args, log)
     except EagleError as exc:
         raise SystemExit(f"error: {exc}") from None
-    out = Path(args.json) if args.json else Path("runs/benchmark") / ("_".join(Path(q).stem for q in args.questions) + ".json")
+    out = (
+        Path(args.json)
+        if args.json
+        else Path("runs/benchmark") / ("_".join(Path(q).stem for q in args.questions) + ".json")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     md = markdown(report)

@@ -25,8 +25,9 @@ import dataclasses
 import json
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -64,7 +65,9 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
     try:
         rows = [[int(t) for t in row.split(",") if t.strip()] for row in text.split(";") if row.strip()]
     except ValueError:
-        raise EagleError(f"bad --prompt-ids {text!r}: expected comma-separated ids, rows separated by ';' (e.g. 1,5,9;3,4)") from None
+        raise EagleError(
+            f"bad --prompt-ids {text!r}: expected comma-separated ids, rows separated by ';' (e.g. 1,5,9;3,4)"
+        ) from None
     if not rows or not all(rows) or min(min(r) for r in rows) < 0:
         raise EagleError(f"bad --prompt-ids {text!r}: every row needs at least one id >= 0")
     return rows
@@ -88,7 +91,11 @@ def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
 def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig:
     """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's (or the demo's) tree, else
     upstream defaults."""
-    dynamic = {k: v for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k)) if v is not None}
+    dynamic = {
+        k: v
+        for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k))
+        if v is not None
+    }
     if a.tree is not None:
         if dynamic:
             raise EagleError("--tree (a static tree) cannot be combined with --total-tokens/--depth/--tree-top-k")
@@ -186,14 +193,24 @@ class Outcome:
     seconds: float
 
 
-def run_generation(m: Models, prompts: list[list[int]], s: Settings, on_new: Callable[[list[list[int]]], None] | None,
-                   capacity: int | None = None) -> Outcome:
+def run_generation(
+    m: Models,
+    prompts: list[list[int]],
+    s: Settings,
+    on_new: Callable[[list[list[int]]], None] | None,
+    capacity: int | None = None,
+) -> Outcome:
     """Generate for every prompt; `on_new(new tokens per row)` is called as cycles are accepted (once at the end
     on a mesh or without streaming)."""
     overhead = s.tree.cache_overhead if s.tree else 0
     with command.hint("raise --max-len or shorten the prompt"):
-        p = schedule.plan([len(x) for x in prompts], s.max_new_tokens, overhead, capacity or s.max_len,
-                          m.tcfg.rope.max_position_embeddings)
+        p = schedule.plan(
+            [len(x) for x in prompts],
+            s.max_new_tokens,
+            overhead,
+            capacity or s.max_len,
+            m.tcfg.rope.max_position_embeddings,
+        )
     on_new = on_new or (lambda new: None)
     args = (m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, s.max_new_tokens)
     t0 = time.perf_counter()
@@ -201,15 +218,17 @@ def run_generation(m: Models, prompts: list[list[int]], s: Settings, on_new: Cal
         if m.mesh is None:
             res = plain.generate(m.tparams, m.tcfg, prompts, s.max_new_tokens, s.sampling, s.seed, p.capacity)
         else:
-            res = programs.generate_plain(m.tparams, m.tcfg, prompts, s.max_new_tokens, m.mesh, s.sampling, s.seed,
-                                          p.capacity)
+            res = programs.generate_plain(
+                m.tparams, m.tcfg, prompts, s.max_new_tokens, m.mesh, s.sampling, s.seed, p.capacity
+            )
         result = SpecResult(res.tokens, [[0] * len(t) for t in res.tokens], res.stop_reasons)
         on_new(result.tokens)
     elif m.mesh is not None:
         result = programs.generate(*args, m.mesh, s.tree, s.sampling, s.seed, p.capacity)
         on_new(result.tokens)
     elif s.stream:
-        for new, _, state in speculative.stream(*args, s.tree, s.sampling, s.seed, p.capacity):
+        state = None
+        for new, _, state in speculative.stream(*args, s.tree, s.sampling, s.seed, p.capacity):  # noqa: B007
             on_new(new)
         result = speculative.result(state)
     else:
@@ -235,7 +254,7 @@ class TextStream:
         self.ids += new[0]
         text = self.tok.decode(self.ids, skip_special_tokens=True)
         if not text.endswith("\ufffd"):
-            sys.stdout.write(text[self.shown:])
+            sys.stdout.write(text[self.shown :])
             sys.stdout.flush()
             self.shown = len(text)
 
@@ -266,8 +285,10 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
         "cycles": cycles,
         "new_tokens": new,
         "tau": new / max(cycles, 1),
-        "rows": [{"prompt_tokens": p, "new_tokens": n, "cycles": c, "tau": n / max(c, 1), "stop_reason": why}
-                 for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)],
+        "rows": [
+            {"prompt_tokens": p, "new_tokens": n, "cycles": c, "tau": n / max(c, 1), "stop_reason": why}
+            for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)
+        ],
         "accept_histogram": r.accept_histogram(max_accept),
         "n_alpha": r.n_alpha(max_accept) if s.tree else [],
         "prompt_ids": prompts,
@@ -278,7 +299,10 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
             "draft": str(m.draft_dir) if m.draft_dir else None,
             "draft_kind": m.dcfg.kind if m.dcfg else None,
             "speculative": s.tree is not None,
-            "tree": None if tree is None else {"static_paths": [list(p) for p in tree.paths]} if isinstance(tree, StaticTree)
+            "tree": None
+            if tree is None
+            else {"static_paths": [list(p) for p in tree.paths]}
+            if isinstance(tree, StaticTree)
             else dataclasses.asdict(tree),
             "sampling": dataclasses.asdict(s.sampling),
             "seed": s.seed,
@@ -305,8 +329,12 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
     capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
     s = dataclasses.replace(s, warmup=False)  # one capacity for the session: only the first turn compiles
     interactive = sys.stdin.isatty()
-    print(f"chatting with {m.target_dir.name}" + (f" + {m.dcfg.kind.upper()} head" if m.dcfg else "")
-          + "; /exit or end of input quits", file=sys.stderr)
+    print(
+        f"chatting with {m.target_dir.name}"
+        + (f" + {m.dcfg.kind.upper()} head" if m.dcfg else "")
+        + "; /exit or end of input quits",
+        file=sys.stderr,
+    )
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     first = 1 if system else 0
     overhead = s.tree.cache_overhead if s.tree else 0
@@ -323,7 +351,7 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
         history.append({"role": "user", "content": text})
         ids = encode(tok, history, use_template)
         while len(ids) + overhead >= capacity and len(history) - first > 1:
-            del history[first:first + 2]
+            del history[first : first + 2]
             ids = encode(tok, history, use_template)
         if len(ids) + overhead >= capacity:
             command.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
@@ -342,9 +370,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = command.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("models")
     src.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
-    src.add_argument("--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)")
+    src.add_argument(
+        "--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)"
+    )
     src.add_argument("--target", help="store directory, or Hugging Face model directory")
-    src.add_argument("--draft", help="store directory, or official EAGLE head directory (default: the target store's head)")
+    src.add_argument(
+        "--draft", help="store directory, or official EAGLE head directory (default: the target store's head)"
+    )
     src.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected)")
     src.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     src.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (default: preset, else one device)")
@@ -355,9 +387,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     inp.add_argument("--system", help="system message for the chat template")
     inp.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen = p.add_argument_group("generation")
-    gen.add_argument("--max-new-tokens", type=int, help=f"new tokens per row (default: preset, else {DEFAULT_MAX_NEW_TOKENS})")
-    gen.add_argument("--max-len", type=int, help="cache capacity in tokens (default: fits prompt and budget; chat: "
-                     f"{CHAT_MAX_LEN}; at most max_position_embeddings)")
+    gen.add_argument(
+        "--max-new-tokens", type=int, help=f"new tokens per row (default: preset, else {DEFAULT_MAX_NEW_TOKENS})"
+    )
+    gen.add_argument(
+        "--max-len",
+        type=int,
+        help="cache capacity in tokens (default: fits prompt and budget; chat: "
+        f"{CHAT_MAX_LEN}; at most max_position_embeddings)",
+    )
     gen.add_argument("--temperature", type=float, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float)
     gen.add_argument("--top-k", type=int)
@@ -365,8 +403,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     gen.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone")
     gen.add_argument("--no-stream", action="store_true", help="run all cycles in one on-device loop; print at the end")
     gen.add_argument("--warmup", action="store_true", help="compile with one untimed run first")
-    gen.add_argument("--compare", action="store_true", help="then time speculative and plain decoding of the same "
-                     "prompts (after warm-up) and print the speedup")
+    gen.add_argument(
+        "--compare",
+        action="store_true",
+        help="then time speculative and plain decoding of the same prompts (after warm-up) and print the speedup",
+    )
     tree = p.add_argument_group("draft tree (EAGLE-2 dynamic by default: 60 / 7 / 10)")
     tree.add_argument("--total-tokens", type=int, help="tree nodes including the root")
     tree.add_argument("--depth", type=int, help="expansion steps (depth + 1 draft levels)")
@@ -417,15 +458,20 @@ def _main(argv: Sequence[str] | None) -> int:
 
     if ids is not None:
         if max(max(r) for r in ids) >= m.tcfg.vocab_size:
-            raise EagleError(f"--prompt-ids: id {max(max(r) for r in ids)} is outside the vocabulary (0..{m.tcfg.vocab_size - 1})")
+            raise EagleError(
+                f"--prompt-ids: id {max(max(r) for r in ids)} is outside the vocabulary (0..{m.tcfg.vocab_size - 1})"
+            )
         prompts = ids
     else:
         system = [{"role": "system", "content": a.system}] if a.system else []
         prompts = [encode(tok, system + [{"role": "user", "content": t}], use_template) for t in texts]
     single = len(prompts) == 1
     if a.demo:
-        print(f"demo: {m.target_dir.name} + its {m.dcfg.kind.upper() if m.dcfg else 'no'} head; "
-              f"{'speculative' if s.tree else 'plain'} answer to: {texts[0] if texts else prompts[0]}", file=sys.stderr)
+        print(
+            f"demo: {m.target_dir.name} + its {m.dcfg.kind.upper() if m.dcfg else 'no'} head; "
+            f"{'speculative' if s.tree else 'plain'} answer to: {texts[0] if texts else prompts[0]}",
+            file=sys.stderr,
+        )
     printer = (TextStream(tok) if tok is not None else _print_ids) if single else None
     outcome = generate_timed(m, prompts, s, printer)
     if single:
@@ -458,10 +504,20 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
     rate = lambda o: sum(o.result.new_tokens) / o.seconds  # noqa: E731
     same = spec.result.tokens == base.result.tokens
     verdict = ("outputs identical" if same else "OUTPUTS DIFFER") if s.sampling.greedy else "sampled outputs"
-    print(f"[speculative {rate(spec):.1f} tokens/s (tau {spec.result.tau:.2f}), plain {rate(base):.1f} tokens/s: "
-          f"speedup {rate(spec) / rate(base):.2f}x; {verdict}]", file=sys.stderr, flush=True)
-    return {"tokens_per_s_spec": rate(spec), "tokens_per_s_plain": rate(base), "speedup": rate(spec) / rate(base),
-            "tau": spec.result.tau, "identical": same, "plain_output_ids": base.result.tokens}
+    print(
+        f"[speculative {rate(spec):.1f} tokens/s (tau {spec.result.tau:.2f}), plain {rate(base):.1f} tokens/s: "
+        f"speedup {rate(spec) / rate(base):.2f}x; {verdict}]",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "tokens_per_s_spec": rate(spec),
+        "tokens_per_s_plain": rate(base),
+        "speedup": rate(spec) / rate(base),
+        "tau": spec.result.tau,
+        "identical": same,
+        "plain_output_ids": base.result.tokens,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

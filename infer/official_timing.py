@@ -74,12 +74,24 @@ def timed(fn: Callable[..., Any], input_ids: torch.Tensor, max_new_tokens: int) 
     return time.perf_counter() - start, ids[0].numpy(), int(idx) + 1
 
 
-def run_envelope(ea_model_cls: Any, args: argparse.Namespace, kind: str, envelope: tuple[int, int, int],
-                 prompts: list[torch.Tensor], ref: np.lib.npyio.NpzFile) -> dict:
+def run_envelope(
+    ea_model_cls: Any,
+    args: argparse.Namespace,
+    kind: str,
+    envelope: tuple[int, int, int],
+    prompts: list[torch.Tensor],
+    ref: np.lib.npyio.NpzFile,
+) -> dict:
     total, depth, top_k = envelope
     model = ea_model_cls.from_pretrained(
-        use_eagle3=kind == "eagle3", base_model_path=str(args.target), ea_model_path=str(args.draft),
-        total_token=total, depth=depth, top_k=top_k, torch_dtype=torch.float32)
+        use_eagle3=kind == "eagle3",
+        base_model_path=str(args.target),
+        ea_model_path=str(args.draft),
+        total_token=total,
+        depth=depth,
+        top_k=top_k,
+        torch_dtype=torch.float32,
+    )
     model.eval()  # from_pretrained returns training mode, where the EAGLE-1 head takes a crashing checkpoint branch
     new = args.max_new_tokens
     for ids in prompts:  # warm-up
@@ -99,20 +111,32 @@ def run_envelope(ea_model_cls: Any, args: argparse.Namespace, kind: str, envelop
     has_run = f"{run_key}.p0.output_ids" in ref.files
     spec_s_med, plain_s_med = statistics.median(spec_s), statistics.median(plain_s)
     return {
-        "envelope": f"{total}/{depth}/{top_k}", "spec_new_tokens": sum(spec_new), "plain_new_tokens": sum(plain_new),
-        "spec_seconds": spec_s_med, "plain_seconds": plain_s_med, "spec_seconds_all": spec_s,
+        "envelope": f"{total}/{depth}/{top_k}",
+        "spec_new_tokens": sum(spec_new),
+        "plain_new_tokens": sum(plain_new),
+        "spec_seconds": spec_s_med,
+        "plain_seconds": plain_s_med,
+        "spec_seconds_all": spec_s,
         "plain_seconds_all": plain_s,
-        "spec_tokens_per_s": sum(spec_new) / spec_s_med, "plain_tokens_per_s": sum(plain_new) / plain_s_med,
+        "spec_tokens_per_s": sum(spec_new) / spec_s_med,
+        "plain_tokens_per_s": sum(plain_new) / plain_s_med,
         "speedup": (sum(spec_new) / spec_s_med) / (sum(plain_new) / plain_s_med),
-        "cycles": sum(cycles), "tau": sum(spec_new) / sum(cycles),
+        "cycles": sum(cycles),
+        "tau": sum(spec_new) / sum(cycles),
         "c": (spec_s_med / sum(cycles)) / (plain_s_med / sum(plain_new)) - 1,
-        "per_prompt": [{"prompt_len": p.shape[1], "spec_new": s, "cycles": c, "plain_new": n}
-                       for p, s, c, n in zip(prompts, spec_new, cycles, plain_new, strict=True)],
+        "per_prompt": [
+            {"prompt_len": p.shape[1], "spec_new": s, "cycles": c, "plain_new": n}
+            for p, s, c, n in zip(prompts, spec_new, cycles, plain_new, strict=True)
+        ],
         "reference_run": run_key if has_run else None,
-        "spec_matches_reference_run": (all(np.array_equal(o, ref[f"{run_key}.p{i}.output_ids"])
-                                           for i, o in enumerate(spec_out)) if has_run else None),
-        "spec_matches_greedy": all(np.array_equal(o, ref[f"p{i}.greedy_ids"][:len(o)])
-                                   for i, o in enumerate(spec_out)),
+        "spec_matches_reference_run": (
+            all(np.array_equal(o, ref[f"{run_key}.p{i}.output_ids"]) for i, o in enumerate(spec_out))
+            if has_run
+            else None
+        ),
+        "spec_matches_greedy": all(
+            np.array_equal(o, ref[f"p{i}.greedy_ids"][: len(o)]) for i, o in enumerate(spec_out)
+        ),
         "plain_matches_naive": all(np.array_equal(o, ref[f"p{i}.naive_ids"]) for i, o in enumerate(plain_out)),
     }
 
@@ -139,37 +163,71 @@ def main(argv: list[str] | None = None) -> None:
     transformers.logging.set_verbosity_error()  # the official rotary inv_freq buffer is reported "newly initialized"
     kind = head_kind(args.draft) if args.kind == "auto" else args.kind
     ref = np.load(args.prompts_npz)
-    prompts = [torch.from_numpy(ref[f"p{i}.input_ids"])[None] for i in range(len(ref.files))
-               if f"p{i}.input_ids" in ref.files]
+    prompts = [
+        torch.from_numpy(ref[f"p{i}.input_ids"])[None] for i in range(len(ref.files)) if f"p{i}.input_ids" in ref.files
+    ]
     load_start = os.getloadavg()
-    print(f"official EAGLE, {kind} head {args.draft}, target {args.target}; {len(prompts)} prompts, "
-          f"max_new_tokens {args.max_new_tokens}, {args.repeats} repeats, torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
-          f"load average {load_start[0]:.2f} on {os.cpu_count()} CPUs")
+    print(
+        f"official EAGLE, {kind} head {args.draft}, target {args.target}; {len(prompts)} prompts, "
+        f"max_new_tokens {args.max_new_tokens}, {args.repeats} repeats, torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), transformers {transformers.__version__}; "
+        f"load average {load_start[0]:.2f} on {os.cpu_count()} CPUs"
+    )
     results = []
     for envelope in parse_envelopes(args.envelopes):
         start = time.perf_counter()
         r = run_envelope(EaModel, args, kind, envelope, prompts, ref)
         results.append(r)
-        ref_check = (f"reference {r['reference_run']}: {'match' if r['spec_matches_reference_run'] else 'DIFFER'}"
-                     if r["reference_run"] else f"no reference run in {args.prompts_npz.name}")
-        print(f"{r['envelope']} done in {time.perf_counter() - start:.1f} s. Speculative outputs vs {ref_check}; "
-              f"vs plain greedy: {'match' if r['spec_matches_greedy'] else 'DIFFER'}. Plain outputs vs "
-              f"p{{i}}.naive_ids: {'match' if r['plain_matches_naive'] else 'DIFFER'}.")
-    cols = ("envelope", "new tok spec/plain", "spec s", "plain s", "spec tok/s", "plain tok/s", "speedup", "cycles",
-            "tau", "c")
+        ref_check = (
+            f"reference {r['reference_run']}: {'match' if r['spec_matches_reference_run'] else 'DIFFER'}"
+            if r["reference_run"]
+            else f"no reference run in {args.prompts_npz.name}"
+        )
+        print(
+            f"{r['envelope']} done in {time.perf_counter() - start:.1f} s. Speculative outputs vs {ref_check}; "
+            f"vs plain greedy: {'match' if r['spec_matches_greedy'] else 'DIFFER'}. Plain outputs vs "
+            f"p{{i}}.naive_ids: {'match' if r['plain_matches_naive'] else 'DIFFER'}."
+        )
+    cols = (
+        "envelope",
+        "new tok spec/plain",
+        "spec s",
+        "plain s",
+        "spec tok/s",
+        "plain tok/s",
+        "speedup",
+        "cycles",
+        "tau",
+        "c",
+    )
     print("\n| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in results:
-        print(f"| {r['envelope']} | {r['spec_new_tokens']}/{r['plain_new_tokens']} | {r['spec_seconds']:.3f} | "
-              f"{r['plain_seconds']:.3f} | {r['spec_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f} | {r['cycles']} | {r['tau']:.3f} | {r['c']:.2f} |")
+        print(
+            f"| {r['envelope']} | {r['spec_new_tokens']}/{r['plain_new_tokens']} | {r['spec_seconds']:.3f} | "
+            f"{r['plain_seconds']:.3f} | {r['spec_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+            f"{r['speedup']:.2f} | {r['cycles']} | {r['tau']:.3f} | {r['c']:.2f} |"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "kind": kind, "target": str(args.target), "draft": str(args.draft), "eagle_repo": str(args.eagle_repo),
-            "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "load_average_start": load_start, "load_average_end": os.getloadavg(), "envelopes": results}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "target": str(args.target),
+                    "draft": str(args.draft),
+                    "eagle_repo": str(args.eagle_repo),
+                    "max_new_tokens": args.max_new_tokens,
+                    "repeats": args.repeats,
+                    "threads": torch.get_num_threads(),
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "load_average_start": load_start,
+                    "load_average_end": os.getloadavg(),
+                    "envelopes": results,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -64,10 +64,15 @@ def chain_conversations(table: np.ndarray, n: int, answer_len: int, seed: int, g
             else:
                 tok = int(min(np.searchsorted(cum[tok], rng.random() * cum[tok, -1]), table.shape[0] - 1))
             answer.append(tok)
-        records.append({"id": str(i), "conversations": [
-            {"from": "human", "value": " ".join(f"t{t}" for t in user)},
-            {"from": "gpt", "value": " ".join(f"t{t}" for t in answer)},
-        ]})
+        records.append(
+            {
+                "id": str(i),
+                "conversations": [
+                    {"from": "human", "value": " ".join(f"t{t}" for t in user)},
+                    {"from": "gpt", "value": " ".join(f"t{t}" for t in answer)},
+                ],
+            }
+        )
     return records
 
 

@@ -11,8 +11,10 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
 DEMO = ROOT / "demo"
-TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 CONTRACT = ("tau", "speedup", "c", "tokens_per_s_spec", "tokens_per_s_plain", "mismatches")
 
 
@@ -33,15 +35,45 @@ def test_benchmark_writes_contract(golden_with_template, tmp_path):
 
     q = tmp_path / "q.jsonl"
     q.write_text(
-        json.dumps({"question_id": 1, "category": "writing",
-                    "turns": ["Write a short poem about the sea and the sky.", "Now make it rhyme."]}) + "\n"
-        + json.dumps({"question_id": 2, "category": "math", "turns": ["What is two plus two times three?"]}) + "\n"
-        + json.dumps({"question_id": 3, "category": "math", "turns": ["Not read: beyond --limit."]}) + "\n"
+        json.dumps(
+            {
+                "question_id": 1,
+                "category": "writing",
+                "turns": ["Write a short poem about the sea and the sky.", "Now make it rhyme."],
+            }
+        )
+        + "\n"
+        + json.dumps({"question_id": 2, "category": "math", "turns": ["What is two plus two times three?"]})
+        + "\n"
+        + json.dumps({"question_id": 3, "category": "math", "turns": ["Not read: beyond --limit."]})
+        + "\n"
     )
     out = tmp_path / "r.json"
-    benchmark.main(["--questions", str(q), "--limit", "2", "--max-new-tokens", "6", "--max-prompt-tokens", "30",
-                    "--target", str(golden_with_template), "--draft", str(GOLDEN / "eagle3"),
-                    "--total-tokens", "8", "--depth", "2", "--tree-top-k", "3", "--json", str(out), "--quiet"])
+    benchmark.main(
+        [
+            "--questions",
+            str(q),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "6",
+            "--max-prompt-tokens",
+            "30",
+            "--target",
+            str(golden_with_template),
+            "--draft",
+            str(GOLDEN / "eagle3"),
+            "--total-tokens",
+            "8",
+            "--depth",
+            "2",
+            "--tree-top-k",
+            "3",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     r = json.loads(out.read_text())
     for k in CONTRACT:
         assert k in r, k
@@ -62,15 +94,38 @@ def test_auto_budget_picks_the_fastest_tree(golden_with_template, tmp_path, monk
     from infer import benchmark
 
     q = tmp_path / "q.jsonl"
-    q.write_text("".join(json.dumps({"question_id": i, "category": "c", "turns": [f"Question {i} about the sea?"]}) + "\n"
-                         for i in range(4)))
+    q.write_text(
+        "".join(
+            json.dumps({"question_id": i, "category": "c", "turns": [f"Question {i} about the sea?"]}) + "\n"
+            for i in range(4)
+        )
+    )
     args = benchmark.parse_args(["--questions", str(q), "--limit", "2", "--calibration-prompts", "2"])
     assert [c["question_id"] for c in benchmark.calibration_questions([q], args)] == [3, 2]  # not the measured ones
     monkeypatch.setattr(benchmark, "AUTO_CANDIDATES", ((8, 2, 3), (12, 3, 2)))
     out = tmp_path / "auto.json"
-    benchmark.main(["--questions", str(q), "--limit", "2", "--max-new-tokens", "8", "--max-prompt-tokens", "30",
-                    "--target", str(golden_with_template), "--draft", str(GOLDEN / "eagle3"), "--auto-budget",
-                    "--calibration-prompts", "2", "--json", str(out), "--quiet"])
+    benchmark.main(
+        [
+            "--questions",
+            str(q),
+            "--limit",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--max-prompt-tokens",
+            "30",
+            "--target",
+            str(golden_with_template),
+            "--draft",
+            str(GOLDEN / "eagle3"),
+            "--auto-budget",
+            "--calibration-prompts",
+            "2",
+            "--json",
+            str(out),
+            "--quiet",
+        ]
+    )
     r = json.loads(out.read_text())
     rows = r["auto_budget"]["candidates"]
     fastest = max(rows, key=lambda row: row["tokens_per_s"])
@@ -113,18 +168,19 @@ def test_read_questions_errors(tmp_path):
 def test_demo_pair_lossless():
     from transformers import AutoTokenizer
 
+    from cli.demo import TREE as DEMO_TREE
     from eagle_jax.decoding import speculative
     from eagle_jax.decoding.plain import generate
     from eagle_jax.decoding.tree import DynamicTree
     from eagle_jax.io.loading import load_draft, load_target
-    from cli.demo import TREE as DEMO_TREE
 
     tcfg, tparams = load_target(DEMO / "target")
     dcfg, dparams = load_draft(DEMO / "eagle3", tcfg)
     tok = AutoTokenizer.from_pretrained(str(DEMO / "target"))
     assert tok.chat_template and tok.eos_token_id in tcfg.eos_token_ids
-    text = tok.apply_chat_template([{"role": "user", "content": "How do I make a cup of tea?"}],
-                                   tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "How do I make a cup of tea?"}], tokenize=False, add_generation_prompt=True
+    )
     ids = tok(text, add_special_tokens=False)["input_ids"]
     plain = generate(tparams, tcfg, [ids], 64)
     for tree in (DEMO_TREE, DynamicTree(total_tokens=16, depth=4, top_k=4)):  # the demo's chain, a tree

@@ -55,7 +55,9 @@ def test_round_trip_is_exact(kind, stores, golden_dir, tmp_path):
     files = official.export_store_head(stores[kind], tmp_path / "head")
     assert files == OFFICIAL_FILES
     _assert_same_official(tmp_path / "head", golden_dir / kind)
-    assert json.loads((tmp_path / "head" / "config.json").read_text()) == json.loads((golden_dir / kind / "config.json").read_text())
+    assert json.loads((tmp_path / "head" / "config.json").read_text()) == json.loads(
+        (golden_dir / kind / "config.json").read_text()
+    )
     if kind == "eagle3":  # the official dtypes of the vocabulary maps
         maps = load_file(tmp_path / "head" / "model.safetensors")
         assert maps["d2t"].dtype == np.int64 and maps["t2d"].dtype == np.bool_
@@ -75,13 +77,33 @@ def test_store_holds_configs_and_tokenizer(stores, golden_dir):
 def test_bf16_cli_round_trip(golden_dir, tmp_path):
     """The two CLIs in bf16: every float cast once, maps kept exact, config dtype updated."""
     env_cmd = [sys.executable, "-m"]
-    conv = subprocess.run(env_cmd + ["convert.torch_to_orbax", "--target", str(golden_dir / "target"), "--draft",
-                                     str(golden_dir / "eagle3"), "--out", str(tmp_path / "s"), "--dtype", "bf16"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    conv = subprocess.run(
+        env_cmd
+        + [
+            "convert.torch_to_orbax",
+            "--target",
+            str(golden_dir / "target"),
+            "--draft",
+            str(golden_dir / "eagle3"),
+            "--out",
+            str(tmp_path / "s"),
+            "--dtype",
+            "bf16",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert conv.returncode == 0, conv.stderr
     assert "target bfloat16, eagle3 head bfloat16" in conv.stdout
-    back = subprocess.run(env_cmd + ["convert.orbax_to_torch", "--draft", str(tmp_path / "s"), "--out", str(tmp_path / "h")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    back = subprocess.run(
+        env_cmd + ["convert.orbax_to_torch", "--draft", str(tmp_path / "s"), "--out", str(tmp_path / "h")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert back.returncode == 0, back.stderr
     _assert_same_official(tmp_path / "h", golden_dir / "eagle3", cast=jnp.bfloat16)
     assert json.loads((tmp_path / "h" / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -107,8 +129,9 @@ def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
     tcfg, host = store.load_target_store(stores["eagle3"])
     _, placed = store.load_target_store(stores["eagle3"], mesh=mesh)
     shardings = sharding.target_shardings(tcfg, mesh)
-    for (path, x), want, ref in zip(jax.tree_util.tree_leaves_with_path(placed), jax.tree.leaves(shardings),
-                                    jax.tree.leaves(host)):
+    for (path, x), want, ref in zip(
+        jax.tree_util.tree_leaves_with_path(placed), jax.tree.leaves(shardings), jax.tree.leaves(host)
+    ):
         assert x.sharding.is_equivalent_to(want, x.ndim), jax.tree_util.keystr(path)
         assert x.addressable_shards[0].data.shape == want.shard_shape(x.shape)
         np.testing.assert_array_equal(np.asarray(x), ref)
@@ -123,8 +146,9 @@ def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
 def _streamed(tparams, tcfg, dparams, dcfg, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
     """(tokens, accept lengths) of a streamed generation (the compiles test_engine's parity tests share)."""
     tokens, accepts = [], []
-    for new, _, state in speculative.stream(tparams, tcfg, dparams, dcfg, [prompt], n, DynamicTree(16, 4, 4),
-                                       capacity=256):
+    for new, _, state in speculative.stream(
+        tparams, tcfg, dparams, dcfg, [prompt], n, DynamicTree(16, 4, 4), capacity=256
+    ):
         tokens += new[0]
         accepts.append(int(state.accept_lengths[len(accepts), 0]))
     return tokens, accepts
@@ -140,7 +164,7 @@ def test_generation_from_store_equals_directories(kind, stores, golden_dir, gold
     prompt = reference["p1.input_ids"].tolist()
     from_dirs = _streamed(tparams, tcfg, dparams, dcfg, prompt, 24)
     assert _streamed(stparams, scfg, sdparams, sdcfg, prompt, 24) == from_dirs
-    assert from_dirs[0] == reference["p1.greedy_ids"][len(prompt):len(prompt) + 24].tolist()
+    assert from_dirs[0] == reference["p1.greedy_ids"][len(prompt) : len(prompt) + 24].tolist()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -169,9 +193,23 @@ def test_convert_refuses_a_head_for_another_target(golden_dir, tmp_path):
     shutil.copytree(golden_dir / "eagle3", other)
     cfg = json.loads((other / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 32000}))
-    out = subprocess.run([sys.executable, "-m", "convert.torch_to_orbax", "--target", str(golden_dir / "target"),
-                          "--draft", str(other), "--out", str(tmp_path / "s")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "convert.torch_to_orbax",
+            "--target",
+            str(golden_dir / "target"),
+            "--draft",
+            str(other),
+            "--out",
+            str(tmp_path / "s"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "does not fit the target" in out.stderr
     assert not (tmp_path / "s").exists()

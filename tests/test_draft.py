@@ -27,13 +27,26 @@ def test_level_one_matches_golden_first_tree(kind, golden_dir, golden_target, re
     for i in range(4):
         ids = jnp.asarray(reference[f"p{i}.input_ids"])[None]
         n = ids.shape[1]
-        out = target.forward(tparams, tcfg, ids, jnp.arange(n)[None], target.init_cache(tcfg, 1, n),
-                             feature_layers=dcfg.feature_layers(tcfg))
+        out = target.forward(
+            tparams,
+            tcfg,
+            ids,
+            jnp.arange(n)[None],
+            target.init_cache(tcfg, 1, n),
+            feature_layers=dcfg.feature_layers(tcfg),
+        )
         root = jnp.argmax(out.logits[:, -1], axis=-1)
         features = out.features if kind == "eagle3" else out.hidden
         tokens = jnp.concatenate([ids[:, 1:], root[:, None]], axis=1)  # feature t pairs with token t+1
-        hidden, _ = draft.forward(dparams, dcfg, tparams["embed"], tokens, draft.project_features(dparams, dcfg, features),
-                                  jnp.arange(n)[None], draft.init_cache(dcfg, 1, n))
+        hidden, _ = draft.forward(
+            dparams,
+            dcfg,
+            tparams["embed"],
+            tokens,
+            draft.project_features(dparams, dcfg, features),
+            jnp.arange(n)[None],
+            draft.init_cache(dcfg, 1, n),
+        )
         for setting, k in TOP_K.items():
             pre = f"{kind}.{setting}.p{i}.tree0."
             assert int(root[0]) == int(reference[pre + "sample_token"].ravel()[0])
@@ -117,7 +130,9 @@ def test_head_for_another_target(golden_dir):
     message = _one_line_error(lambda: official.load_head(golden_dir / "eagle3", wide))
     assert "does not fit the target" in message and "256" in message and "128" in message
     other_vocab = tiny_target_config("llama", vocab=2048, hidden=128, heads=4, kv_heads=2)
-    assert "vocab_size 1024 vs target 2048" in _one_line_error(lambda: official.load_head(golden_dir / "eagle1", other_vocab))
+    assert "vocab_size 1024 vs target 2048" in _one_line_error(
+        lambda: official.load_head(golden_dir / "eagle1", other_vocab)
+    )
 
 
 def test_forced_kind_mismatch(golden_dir, golden_target):

@@ -60,7 +60,9 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
             rows, cols = reference[pre + "cycle_retrieve_shape"][c]
             np.testing.assert_array_equal(tr.tokens[i], reference[pre + "cycle_draft_tokens"][c], f"{pre} cycle {c}")
             np.testing.assert_array_equal(tr.depths[i], reference[pre + "cycle_tree_position_ids"][c])
-            np.testing.assert_array_equal(paths[i, :rows, :cols], reference[pre + "cycle_retrieve_indices"][c, :rows, :cols])
+            np.testing.assert_array_equal(
+                paths[i, :rows, :cols], reference[pre + "cycle_retrieve_indices"][c, :rows, :cols]
+            )
             assert np.all(np.asarray(paths[i, rows:]) == -1) and np.all(np.asarray(paths[i, :, cols:]) == -1)
             if c == 0:
                 np.testing.assert_array_equal(tr.mask[i], reference[pre + "tree0.tree_mask"][0, 0] > 0)
@@ -70,8 +72,8 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
     for i, prompt in enumerate(prompts):
         pre = f"{head}.{setting}.p{i}."
         gold_acc = reference[pre + "accept_length"].tolist()
-        assert tokens[i] == reference[pre + "output_ids"][len(prompt):len(prompt) + 64].tolist()
-        assert tokens[i] == reference[f"p{i}.greedy_ids"][len(prompt):len(prompt) + 64].tolist()
+        assert tokens[i] == reference[pre + "output_ids"][len(prompt) : len(prompt) + 64].tolist()
+        assert tokens[i] == reference[f"p{i}.greedy_ids"][len(prompt) : len(prompt) + 64].tolist()
         # every cycle equals upstream's; our last one may be cut short by the 64-token limit
         n = len(acc[i])
         assert acc[i][:-1] == gold_acc[: n - 1] and acc[i][-1] <= gold_acc[n - 1]
@@ -97,8 +99,15 @@ def _plain(tparams, tcfg, prompts, n):
     return plain.generate(tparams, tcfg, prompts, n).tokens
 
 
-ENVELOPES = [DynamicTree(60, 7, 10), DynamicTree(16, 4, 4), DynamicTree(8, 2, 3), DynamicTree(2, 1, 1),
-             DynamicTree(30, 5, 6), StaticTree(), StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))]
+ENVELOPES = [
+    DynamicTree(60, 7, 10),
+    DynamicTree(16, 4, 4),
+    DynamicTree(8, 2, 3),
+    DynamicTree(2, 1, 1),
+    DynamicTree(30, 5, 6),
+    StaticTree(),
+    StaticTree(((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+]
 
 
 def _lossless_cases():
@@ -146,8 +155,7 @@ def test_growing_attention_spans_are_lossless(monkeypatch):
     tokens, lengths, limits, capacity = p.tokens, p.lengths, p.limits, p.capacity
     key = jax.random.key(0)
     cache, first = plain.prefill(tparams, tokens, lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=capacity)
-    whole = plain.decode_span(tparams, plain.init_state(cache, first, limits, tcfg), key, cfg=tcfg,
-                                 sc=SamplingConfig())
+    whole = plain.decode_span(tparams, plain.init_state(cache, first, limits, tcfg), key, cfg=tcfg, sc=SamplingConfig())
     assert [np.asarray(whole.out)[r, :300].tolist() for r in range(2)] == want
 
 
@@ -178,9 +186,14 @@ def _exact_joint(tparams, tcfg, prompt, sc: SamplingConfig, n: int) -> np.ndarra
     v, p = tcfg.vocab_size, len(prompt)
     prefixes = np.array(list(itertools.product(range(v), repeat=n - 1)), np.int32).reshape(-1, n - 1)  # [V^(n-1), n-1]
     seqs = np.concatenate([np.tile(prompt, (len(prefixes), 1)), prefixes], axis=1)
-    out = target.forward(tparams, tcfg, seqs, np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape),
-                         target.init_cache(tcfg, len(seqs), seqs.shape[1]))
-    probs = np.asarray(processed_probs(out.logits[:, p - 1:], sc), np.float64)  # [V^(n-1), n, V]
+    out = target.forward(
+        tparams,
+        tcfg,
+        seqs,
+        np.broadcast_to(np.arange(seqs.shape[1]), seqs.shape),
+        target.init_cache(tcfg, len(seqs), seqs.shape[1]),
+    )
+    probs = np.asarray(processed_probs(out.logits[:, p - 1 :], sc), np.float64)  # [V^(n-1), n, V]
     joint = probs[:, -1, :]  # P(t_n | prompt, prefix)
     for i in range(n - 1):
         joint = joint * probs[np.arange(len(prefixes)), i, prefixes[:, i]][:, None]
@@ -220,8 +233,7 @@ def test_sampling_lossless(sc):
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=12, draft_vocab=6)
     prompt = [1, 4, 2]
     exact = _exact_joint(tparams, tcfg, prompt, sc, n_tok)
-    res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt] * n_rows, n_tok,
-                          DynamicTree(8, 3, 3), sc, seed=5)
+    res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt] * n_rows, n_tok, DynamicTree(8, 3, 3), sc, seed=5)
     assert sum(a > 0 for row in res.accept_lengths for a in row) > n_rows // 4  # drafts do get accepted
     counts = _joint_counts(res.tokens, vocab, n_tok)
     assert _chi2_pvalue(counts, exact) > 1e-3

@@ -25,10 +25,11 @@ def golden_prompts(reference):
 
 def golden_continuation(reference, i: int) -> list[int]:
     ids = reference[f"p{i}.greedy_ids"].tolist()
-    return ids[len(reference[f"p{i}.input_ids"]):]
+    return ids[len(reference[f"p{i}.input_ids"]) :]
 
 
 # --- greedy parity ---------------------------------------------------------------------------
+
 
 def test_golden_greedy_matches_hf(golden_target, golden_prompts, reference):
     cfg, params = golden_target
@@ -50,9 +51,17 @@ def hf_gqa(tmp_path_factory):
 
     torch.manual_seed(0)
     hf_cfg = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0, max_position_embeddings=256,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        max_position_embeddings=256,
     )
     model = LlamaForCausalLM(hf_cfg).eval()
     path = tmp_path_factory.mktemp("hf_gqa")
@@ -71,7 +80,7 @@ def test_random_gqa_greedy_matches_hf(hf_gqa):
     for p in prompts:
         with torch.no_grad():
             seq = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24)
-        expected.append(seq[0, len(p):].tolist())
+        expected.append(seq[0, len(p) :].tolist())
     for p, want in zip(prompts, expected):
         assert gen.generate(params, cfg, [p], 24).tokens[0] == want
     assert gen.generate(params, cfg, prompts, 24).tokens == expected
@@ -79,13 +88,15 @@ def test_random_gqa_greedy_matches_hf(hf_gqa):
 
 # --- stopping and capacity -------------------------------------------------------------------
 
+
 def test_eos_stops_row_and_keeps_eos(golden_target, golden_prompts, reference):
     cfg, params = golden_target
     cont0, cont1 = golden_continuation(reference, 0)[:30], golden_continuation(reference, 1)
     eos = next(t for t in cont1[3:] if t not in cont0)  # row 1 hits it, row 0 never does
     stop = cont1.index(eos)
-    res = gen.generate(params, dataclasses.replace(cfg, eos_token_ids=(eos,)), golden_prompts[:2], 30,
-                       capacity=CAPACITY)
+    res = gen.generate(
+        params, dataclasses.replace(cfg, eos_token_ids=(eos,)), golden_prompts[:2], 30, capacity=CAPACITY
+    )
     assert res.tokens[0] == cont0 and res.stop_reasons[0] == "length"
     assert res.tokens[1] == cont1[: stop + 1] and res.stop_reasons[1] == "eos"
 
@@ -109,6 +120,7 @@ def test_prompt_bucket():
 
 # --- sampling --------------------------------------------------------------------------------
 
+
 def numpy_processed_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """Direct float64 reference: temperature, then top-k (ties with the k-th kept), then the smallest
     prefix (probability descending, ties by lower id) whose mass reaches top_p."""
@@ -131,9 +143,17 @@ def numpy_processed_probs(logits: np.ndarray, temperature: float, top_k: int, to
     return np.stack(out)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [
-    (1.0, 0, 1.0), (0.7, 0, 1.0), (1.3, 5, 1.0), (1.0, 0, 0.55), (0.8, 12, 0.9), (2.0, 1, 0.3),
-])
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p",
+    [
+        (1.0, 0, 1.0),
+        (0.7, 0, 1.0),
+        (1.3, 5, 1.0),
+        (1.0, 0, 0.55),
+        (0.8, 12, 0.9),
+        (2.0, 1, 0.3),
+    ],
+)
 def test_processed_probs_match_numpy(temperature, top_k, top_p):
     rng = np.random.default_rng(1)
     logits = np.round(rng.normal(0, 2, (16, 40)) * 2) / 2  # a coarse grid, so ties occur
@@ -220,8 +240,10 @@ def test_generate_first_token_distribution(golden_target, golden_prompts, refere
 def test_sampling_reproducible_per_seed(golden_target, golden_prompts):
     cfg, params = golden_target
     sc = SamplingConfig(temperature=1.0, top_p=0.9)
-    run = lambda seed: gen.generate(params, cfg, golden_prompts[:2], 20, sampling=sc, seed=seed,
-                                    capacity=CAPACITY).tokens
+
+    def run(seed: int) -> list[list[int]]:
+        return gen.generate(params, cfg, golden_prompts[:2], 20, sampling=sc, seed=seed, capacity=CAPACITY).tokens
+
     first = run(7)
     assert run(7) == first
     assert run(8) != first
@@ -229,6 +251,7 @@ def test_sampling_reproducible_per_seed(golden_target, golden_prompts):
 
 
 # --- compilation -----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def compile_log():
@@ -246,7 +269,10 @@ def compile_log():
 def test_no_recompilation_within_bucket(golden_target, compile_log):
     cfg, params = golden_target
     rng = np.random.default_rng(4)
-    prompt = lambda n: [1] + rng.integers(3, cfg.vocab_size, n - 1).tolist()
+
+    def prompt(n: int) -> list[int]:
+        return [1] + rng.integers(3, cfg.vocab_size, n - 1).tolist()
+
     gen.generate(params, cfg, [prompt(26), prompt(18)], 8)  # warm-up: bucket 32, capacity 128
     compile_log.clear()
     gen.generate(params, cfg, [prompt(27), prompt(31)], 8)  # new lengths, same bucket

@@ -23,9 +23,9 @@ import math
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
@@ -47,18 +47,57 @@ REPO = Path(__file__).resolve().parents[1]
 # a byte-level BPE vocabulary over printable ASCII and newline: 3 control tokens, 96 bytes, 29 merges
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BYTE_CHARS = [bytes_to_unicode()[b] for b in [10, *range(32, 127)]]
-MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "r e", "a t", "e n", "Ġ s", "Ġ o", "Ġ w", "o u", "i s",
-          "Ġ c", "a n", "o r", "e s", "Ġ f", "Ġ b", "i t", "l l", "Ġ p", "in g", "Ġ m", "e d", "Ġ h", "a r"]
+MERGES = [
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "i n",
+    "Ġ a",
+    "e r",
+    "o n",
+    "r e",
+    "a t",
+    "e n",
+    "Ġ s",
+    "Ġ o",
+    "Ġ w",
+    "o u",
+    "i s",
+    "Ġ c",
+    "a n",
+    "o r",
+    "e s",
+    "Ġ f",
+    "Ġ b",
+    "i t",
+    "l l",
+    "Ġ p",
+    "in g",
+    "Ġ m",
+    "e d",
+    "Ġ h",
+    "a r",
+]
 TOKENS = SPECIALS + BYTE_CHARS + [m.replace(" ", "") for m in MERGES]
 VOCAB = len(TOKENS)
 BOS, EOS = 0, 2
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TEXTS = ["the cat sat on the mat", " Hello, World!\nIt's 2024: is it raining?", "<|im_start|>user\nhi<|im_end|>", ""]
 
-LAYER_TENSORS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                 "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                 "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+LAYER_TENSORS = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
 
 
 @dataclass(frozen=True)
@@ -93,10 +132,17 @@ def names(spec: Spec) -> dict[str, str]:
 
 def hf_shape(hf_name: str, spec: Spec) -> tuple[int, ...]:
     q, kv = spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
-    return {"embed_tokens": (VOCAB, spec.hidden), "lm_head": (VOCAB, spec.hidden), "q_proj": (q, spec.hidden),
-            "k_proj": (kv, spec.hidden), "v_proj": (kv, spec.hidden), "o_proj": (spec.hidden, q),
-            "gate_proj": (spec.inter, spec.hidden), "up_proj": (spec.inter, spec.hidden),
-            "down_proj": (spec.hidden, spec.inter)}.get(hf_name.split(".")[-2], (spec.hidden,))
+    return {
+        "embed_tokens": (VOCAB, spec.hidden),
+        "lm_head": (VOCAB, spec.hidden),
+        "q_proj": (q, spec.hidden),
+        "k_proj": (kv, spec.hidden),
+        "v_proj": (kv, spec.hidden),
+        "o_proj": (spec.hidden, q),
+        "gate_proj": (spec.inter, spec.hidden),
+        "up_proj": (spec.inter, spec.hidden),
+        "down_proj": (spec.hidden, spec.inter),
+    }.get(hf_name.split(".")[-2], (spec.hidden,))
 
 
 def random_hf(spec: Spec, seed: int = 0) -> dict[str, np.ndarray]:
@@ -185,8 +231,9 @@ def pack_q5_1(rng, n):  # d, m, qh, qs: d * q + m
 
 def _k_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
     """Eight 6-bit scales and mins in 12 bytes (the inverse of ggml's get_scale_min_k4)."""
-    return np.hstack([sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6,
-                      (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4])
+    return np.hstack(
+        [sc[:, :4] | (sc[:, 4:] >> 4) << 6, mn[:, :4] | (mn[:, 4:] >> 4) << 6, (sc[:, 4:] & 15) | (mn[:, 4:] & 15) << 4]
+    )
 
 
 def _k_nibbles(q: np.ndarray) -> np.ndarray:
@@ -227,9 +274,16 @@ def pack_q6_k(rng, n):  # ql[128], qh[64], int8 scales[16], d: d * sc[e // 16] *
     return raw, _col(d) * sc[:, np.arange(256) // 16] * (q.astype(np.float32) - 32)
 
 
-PACKERS: dict[QType, Callable] = {QType.Q8_0: pack_q8_0, QType.Q4_0: pack_q4_0, QType.Q4_1: pack_q4_1,
-                                  QType.Q5_0: pack_q5_0, QType.Q5_1: pack_q5_1, QType.Q4_K: pack_q4_k,
-                                  QType.Q5_K: pack_q5_k, QType.Q6_K: pack_q6_k}
+PACKERS: dict[QType, Callable] = {
+    QType.Q8_0: pack_q8_0,
+    QType.Q4_0: pack_q4_0,
+    QType.Q4_1: pack_q4_1,
+    QType.Q5_0: pack_q5_0,
+    QType.Q5_1: pack_q5_1,
+    QType.Q4_K: pack_q4_k,
+    QType.Q5_K: pack_q5_k,
+    QType.Q6_K: pack_q6_k,
+}
 
 
 def packed_tensor(rng, qtype: QType, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
@@ -274,14 +328,28 @@ def packed(spec: Spec, qtype: QType, seed: int = 0) -> tuple[Stored, dict[str, n
     return stored, hf
 
 
-def write_gguf(path: Path, spec: Spec, stored: Stored, arch: str = "llama", tokenizer: bool = True,
-               omit: tuple[str, ...] = (), extra: Callable | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    spec: Spec,
+    stored: Stored,
+    arch: str = "llama",
+    tokenizer: bool = True,
+    omit: tuple[str, ...] = (),
+    extra: Callable | None = None,
+) -> Path:
     """A GGUF file as llama.cpp writes it; `omit` drops llama.* keys, `extra(writer)` adds metadata."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny llama")
-    ints = {"context_length": spec.context, "embedding_length": spec.hidden, "feed_forward_length": spec.inter,
-            "block_count": spec.layers, "attention.head_count": spec.heads, "attention.head_count_kv": spec.kv_heads,
-            "rope.dimension_count": spec.head_dim, "vocab_size": VOCAB}
+    ints = {
+        "context_length": spec.context,
+        "embedding_length": spec.hidden,
+        "feed_forward_length": spec.inter,
+        "block_count": spec.layers,
+        "attention.head_count": spec.heads,
+        "attention.head_count_kv": spec.kv_heads,
+        "rope.dimension_count": spec.head_dim,
+        "vocab_size": VOCAB,
+    }
     for key, value in ints.items():
         if key not in omit:
             w.add_uint32(f"{arch}.{key}", value)
@@ -308,8 +376,16 @@ def write_gguf(path: Path, spec: Spec, stored: Stored, arch: str = "llama", toke
     return path
 
 
-QUANTISED = {"f32": QType.F32, "f16": QType.F16, "bf16": QType.BF16, "q8_0": QType.Q8_0, "q4_0": QType.Q4_0,
-             "q4_1": QType.Q4_1, "q5_0": QType.Q5_0, "q5_1": QType.Q5_1}
+QUANTISED = {
+    "f32": QType.F32,
+    "f16": QType.F16,
+    "bf16": QType.BF16,
+    "q8_0": QType.Q8_0,
+    "q4_0": QType.Q4_0,
+    "q4_1": QType.Q4_1,
+    "q5_0": QType.Q5_0,
+    "q5_1": QType.Q5_1,
+}
 PACKED = {f"packed_{q.name.lower()}": q for q in PACKERS}
 
 
@@ -358,8 +434,9 @@ def hf_logits(model, tokens: np.ndarray = TOKEN_IDS, positions: np.ndarray | Non
 
 def load_hf(folder: Path, gguf_file: str | None = None):
     kwargs = {} if gguf_file is None else {"gguf_file": gguf_file}
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
-                                                              attn_implementation="eager", **kwargs)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.float32, attn_implementation="eager", **kwargs
+    )
     return model.eval()
 
 
@@ -447,17 +524,38 @@ def test_tied_embeddings_stay_tied(files, folders):
 def test_config_and_generation_config(folders):
     config = json.loads((folders("f32") / "config.json").read_text())
     assert config == {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "max_position_embeddings": 256,
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "vocab_size": VOCAB,
-        "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
-        "bos_token_id": BOS, "eos_token_id": EOS, "torch_dtype": "float32",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "max_position_embeddings": 256,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0,
+        "vocab_size": VOCAB,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+        "torch_dtype": "float32",
     }
-    assert json.loads((folders("f32") / "generation_config.json").read_text()) == {"bos_token_id": BOS,
-                                                                                  "eos_token_id": EOS}
+    assert json.loads((folders("f32") / "generation_config.json").read_text()) == {
+        "bos_token_id": BOS,
+        "eos_token_id": EOS,
+    }
     files_written = {p.name for p in folders("f32").iterdir()}
-    assert files_written == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                             "tokenizer_config.json", "special_tokens_map.json"}
+    assert files_written == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    }
 
 
 def test_eot_joins_the_stop_ids(tmp_path):
@@ -485,16 +583,30 @@ def test_tokenizer_round_trip(files, folders):
 
 def llama_config(spec: Spec, rope: dict):
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=spec.hidden, intermediate_size=spec.inter, num_hidden_layers=spec.layers,
-        num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, max_position_embeddings=spec.context,
-        rms_norm_eps=1e-5, rope_parameters={**rope, "rope_theta": spec.theta}, bos_token_id=BOS, eos_token_id=EOS)
+        vocab_size=VOCAB,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.inter,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        max_position_embeddings=spec.context,
+        rms_norm_eps=1e-5,
+        rope_parameters={**rope, "rope_theta": spec.theta},
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+    )
     config._attn_implementation = "eager"
     return config
 
 
 ROPES = {
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
     "linear": {"rope_type": "linear", "factor": 4.0},
 }
 
@@ -511,9 +623,11 @@ def test_rope_scaling_matches_the_original_model(kind, tmp_path):
     if kind == "llama3":
         stored["rope_freqs.weight"] = (llama_cpp_rope_factors(spec.head_dim, spec.theta, rope), None)
     else:
+
         def extra(w):
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(rope["factor"])
+
     folder = gguf_to_hf(write_gguf(tmp_path / "rope.gguf", spec, stored, extra=extra), tmp_path / "hf", progress=False)
     ours = load_hf(folder)
     assert {k: ours.config.rope_parameters[k] for k in rope} == rope
@@ -593,8 +707,14 @@ def test_bad_input_is_one_line_error(kind, files, tmp_path):
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "convert.gguf_to_hf", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "convert.gguf_to_hf", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 @pytest.mark.parametrize("kind", sorted(BAD))

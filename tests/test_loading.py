@@ -16,14 +16,20 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from eagle_jax.errors import EagleError  # noqa: E402
 from eagle_jax.io import hf  # noqa: E402
-from eagle_jax.models import target  # noqa: E402
 from eagle_jax.io.hf import load_target_config  # noqa: E402
+from eagle_jax.models import target  # noqa: E402
 from eagle_jax.models.config import target_config_from_hf  # noqa: E402
 from eagle_jax.models.params import flatten  # noqa: E402
 
 SMALL = dict(
-    vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.08,
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    initializer_range=0.08,
 )
 NAMES_FP32 = ("model.safetensors",)
 
@@ -136,11 +142,14 @@ def test_pytorch_model_bin_index(llama, reference_params, tmp_path):
     _assert_same(hf.load_target(tmp_path)[1], reference_params)
 
 
-@pytest.mark.parametrize("torch_dtype,np_name,fmt", [
-    (torch.bfloat16, "bfloat16", "safetensors"),
-    (torch.float16, "float16", "safetensors"),
-    (torch.bfloat16, "bfloat16", "bin"),
-])
+@pytest.mark.parametrize(
+    "torch_dtype,np_name,fmt",
+    [
+        (torch.bfloat16, "bfloat16", "safetensors"),
+        (torch.float16, "float16", "safetensors"),
+        (torch.bfloat16, "bfloat16", "bin"),
+    ],
+)
 def test_half_precision_weights(llama, reference_params, tmp_path, torch_dtype, np_name, fmt):
     model, _ = llama
     half = _llama().to(torch_dtype)
@@ -171,8 +180,9 @@ def test_half_precision_weights(llama, reference_params, tmp_path, torch_dtype, 
     positions = jnp.arange(8)[None]
     fp32_params = hf.load_target(llama[1])[1]
     ref = target.forward(fp32_params, cfg, tokens, positions, target.init_cache(cfg, 1, 8), feature_layers=())
-    out = target.forward(jax_tree(params), cfg, tokens, positions,
-                         target.init_cache(cfg, 1, 8, jnp.dtype(np_name)), feature_layers=())
+    out = target.forward(
+        jax_tree(params), cfg, tokens, positions, target.init_cache(cfg, 1, 8, jnp.dtype(np_name)), feature_layers=()
+    )
     scale = float(jnp.max(jnp.abs(ref.logits)))
     assert float(jnp.max(jnp.abs(out.logits - ref.logits))) < 0.05 * scale
 
@@ -216,9 +226,14 @@ def test_unexpected_layer(llama, tmp_path):
 
 def test_misshaped_tensor(llama, tmp_path):
     path = _copy(llama[1], tmp_path / "m")
-    _edit_safetensors(path, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((48, 64), np.float32)}))
-    _raises_one_line(r"mis-shaped model\.layers\.1\.self_attn\.k_proj\.weight \(48, 64\) \(expected \(32, 64\)\)",
-                     hf.load_target, path)
+    _edit_safetensors(
+        path, lambda t: t.update({"model.layers.1.self_attn.k_proj.weight": np.zeros((48, 64), np.float32)})
+    )
+    _raises_one_line(
+        r"mis-shaped model\.layers\.1\.self_attn\.k_proj\.weight \(48, 64\) \(expected \(32, 64\)\)",
+        hf.load_target,
+        path,
+    )
 
 
 def test_config_disagreeing_with_weights(llama, tmp_path):
@@ -227,8 +242,9 @@ def test_config_disagreeing_with_weights(llama, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["intermediate_size"] = 128
     (path / "config.json").write_text(json.dumps(cfg))
-    msg = _raises_one_line(r"mis-shaped model\.layers\.0\.mlp\.down_proj\.weight \(64, 96\) \(expected \(64, 128\)\)",
-                           hf.load_target, path)
+    msg = _raises_one_line(
+        r"mis-shaped model\.layers\.0\.mlp\.down_proj\.weight \(64, 96\) \(expected \(64, 128\)\)", hf.load_target, path
+    )
     assert "model.layers.1.mlp.up_proj.weight (96, 64) (expected (128, 64))" in msg
 
 
@@ -276,26 +292,47 @@ def test_bad_config_json(llama, tmp_path):
 
 
 def _hf_dict(**overrides):
-    base = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128, "hidden_size": 64,
-            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-            "hidden_act": "silu", "rms_norm_eps": 1e-6, "max_position_embeddings": 64, "rope_theta": 10000.0}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 64,
+        "rope_theta": 10000.0,
+    }
     base.update(overrides)
     return {k: v for k, v in base.items() if v is not None}
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"), r"architectures=\['GPT2LMHeadModel'\] is not supported"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling\.rope_type='yarn' is not supported"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), r"rope_parameters\.rope_type='longrope'"),
-    (dict(rope_scaling={"type": "su"}), r"rope_scaling\.rope_type='su'"),
-    (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0\.5 is not supported"),
-    (dict(mlp_bias=True), r"mlp_bias=true is not supported"),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=32),
-     r"use_sliding_window=true is not supported"),
-    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True, sliding_window=32),
-     r"use_sliding_window=true is not supported"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (
+            dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
+            r"architectures=\['GPT2LMHeadModel'\] is not supported",
+        ),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu' is not supported"),
+        (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), r"rope_scaling\.rope_type='yarn' is not supported"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4}), r"rope_parameters\.rope_type='longrope'"),
+        (dict(rope_scaling={"type": "su"}), r"rope_scaling\.rope_type='su'"),
+        (dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0\.5 is not supported"),
+        (dict(mlp_bias=True), r"mlp_bias=true is not supported"),
+        (
+            dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=32),
+            r"use_sliding_window=true is not supported",
+        ),
+        (
+            dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True, sliding_window=32),
+            r"use_sliding_window=true is not supported",
+        ),
+    ],
+)
 def test_unsupported_config(overrides, match):
     _raises_one_line(match, target_config_from_hf, _hf_dict(**overrides))
 
@@ -311,12 +348,23 @@ def test_unsupported_config_from_directory(llama, tmp_path):
 def test_supported_rope_fields_are_read():
     cfg = target_config_from_hf(_hf_dict(rope_scaling={"type": "linear", "factor": 2.0}))
     assert (cfg.rope.rope_type, cfg.rope.factor) == ("linear", 2.0)
-    cfg = target_config_from_hf(_hf_dict(rope_theta=None, rope_parameters={
-        "rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 32}))
+    cfg = target_config_from_hf(
+        _hf_dict(
+            rope_theta=None,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 5e5,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
+    )
     assert (cfg.rope.theta, cfg.rope.factor, cfg.rope.original_max_position_embeddings) == (5e5, 8.0, 32)
-    cfg = target_config_from_hf(_hf_dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                                         use_sliding_window=False, sliding_window=4096))
+    cfg = target_config_from_hf(
+        _hf_dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=4096)
+    )
     assert cfg.sliding_window is None  # Qwen2.5 ships sliding_window with use_sliding_window false
 
 
@@ -345,8 +393,14 @@ def test_mistral_sliding_window_capacity(tmp_path):
     with torch.no_grad():
         ref = model(torch.from_numpy(tokens)).logits.numpy()
     big = cfg.__class__(**{**cfg.__dict__, "sliding_window": None})
-    out = target.forward(params, big, jnp.asarray(tokens), jnp.arange(2 * window)[None],
-                         target.init_cache(big, 1, 2 * window), feature_layers=())
+    out = target.forward(
+        params,
+        big,
+        jnp.asarray(tokens),
+        jnp.arange(2 * window)[None],
+        target.init_cache(big, 1, 2 * window),
+        feature_layers=(),
+    )
     diff = np.abs(np.asarray(out.logits) - ref).max(axis=-1)[0]
     scale = np.abs(ref).max()
     assert diff[:window].max() <= 1e-4 * scale

@@ -94,7 +94,9 @@ def test_ttt_loss_sharded_equals_single_device(models):
 
     def step(tparams, dparams, ids, attn, loss_mask):
         features, logits = objective.target_batch(tparams, tcfg, ids, attn, dcfg.feature_layers(tcfg))
-        return objective.ttt_value_and_grad(dparams, dcfg, tparams["embed"], features, logits, ids, attn, loss_mask, steps=3)
+        return objective.ttt_value_and_grad(
+            dparams, dcfg, tparams["embed"], features, logits, ids, attn, loss_mask, steps=3
+        )
 
     want = jax.jit(step)(tparams, dparams, ids, attn, loss_mask)
     mesh = sharding.make_mesh("data=2,fsdp=2,tensor=2")
@@ -102,7 +104,11 @@ def test_ttt_loss_sharded_equals_single_device(models):
     tsh, dsh = sharding.target_shardings(tcfg, mesh), sharding.draft_shardings(dcfg, mesh)
     rows = NamedSharding(mesh, sharding.partition_spec(("batch", None)))
     sharded = jax.jit(step, in_shardings=(tsh, dsh, rows, rows, rows))
-    args = (sharding.place(tparams, tsh), sharding.place(dparams, dsh), *(sharding.put(x, rows) for x in (ids, attn, loss_mask)))
+    args = (
+        sharding.place(tparams, tsh),
+        sharding.place(dparams, dsh),
+        *(sharding.put(x, rows) for x in (ids, attn, loss_mask)),
+    )
     got = sharded(*args)
     assert args[0]["layers"]["q"].sharding.spec == P(None, "fsdp", "tensor")
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
@@ -113,15 +119,18 @@ def test_ttt_loss_sharded_equals_single_device(models):
 # ---------------------------------------------------------------- mesh errors
 
 
-@pytest.mark.parametrize("text, message", [
-    ("tensor=4,model=2", "bad mesh entry 'model=2'"),
-    ("tensor=x", "bad mesh entry 'tensor=x'"),
-    ("tensor=0", "bad mesh entry 'tensor=0'"),
-    ("tensor", "bad mesh entry 'tensor'"),
-    ("tensor=2,tensor=4", "axis tensor is given twice"),
-    ("tensor=3", "tensor=3 does not divide the 8 devices"),
-    ("data=2,tensor=2", "needs 4 devices but 8 are available"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tensor=4,model=2", "bad mesh entry 'model=2'"),
+        ("tensor=x", "bad mesh entry 'tensor=x'"),
+        ("tensor=0", "bad mesh entry 'tensor=0'"),
+        ("tensor", "bad mesh entry 'tensor'"),
+        ("tensor=2,tensor=4", "axis tensor is given twice"),
+        ("tensor=3", "tensor=3 does not divide the 8 devices"),
+        ("data=2,tensor=2", "needs 4 devices but 8 are available"),
+    ],
+)
 def test_mesh_parser_errors(text, message):
     with pytest.raises(EagleError, match=message):
         sharding.make_mesh(text)
@@ -132,13 +141,24 @@ def test_mesh_parser_accepts():
     assert dict(sharding.make_mesh("fsdp=8").shape) == {"data": 1, "fsdp": 8, "tensor": 1}
 
 
-@pytest.mark.parametrize("change, mesh_text, message", [
-    (dict(num_heads=6, num_kv_heads=2, head_dim=8), "tensor=4,data=2", r"tensor=4 does not divide heads=6 of the target"),
-    (dict(num_heads=12, num_kv_heads=6, head_dim=8), "tensor=4,data=2", r"tensor=4 does not divide kv_heads=6 of the target"),
-    (dict(vocab_size=60), "tensor=8", r"tensor=8 does not divide vocab=60 of the target"),
-    (dict(intermediate_size=100), "tensor=8", r"tensor=8 does not divide mlp=100 of the target"),
-    (dict(hidden_size=36, num_heads=4, num_kv_heads=4, head_dim=9), "fsdp=8", r"fsdp=8 does not divide embed=36"),
-])
+@pytest.mark.parametrize(
+    "change, mesh_text, message",
+    [
+        (
+            dict(num_heads=6, num_kv_heads=2, head_dim=8),
+            "tensor=4,data=2",
+            r"tensor=4 does not divide heads=6 of the target",
+        ),
+        (
+            dict(num_heads=12, num_kv_heads=6, head_dim=8),
+            "tensor=4,data=2",
+            r"tensor=4 does not divide kv_heads=6 of the target",
+        ),
+        (dict(vocab_size=60), "tensor=8", r"tensor=8 does not divide vocab=60 of the target"),
+        (dict(intermediate_size=100), "tensor=8", r"tensor=8 does not divide mlp=100 of the target"),
+        (dict(hidden_size=36, num_heads=4, num_kv_heads=4, head_dim=9), "fsdp=8", r"fsdp=8 does not divide embed=36"),
+    ],
+)
 def test_model_dimension_errors(change, mesh_text, message, models):
     tcfg = dataclasses.replace(models[0], **change)
     with pytest.raises(EagleError, match=message):
@@ -160,24 +180,30 @@ def test_batch_and_draft_errors(models):
 # ---------------------------------------------------------------- multi-host start
 
 
-@pytest.mark.parametrize("env, reason, kwargs", [
-    ({}, None, None),
-    ({"TPU_WORKER_HOSTNAMES": "t1v-0"}, None, None),
-    ({"TPU_WORKER_HOSTNAMES": "t1v-0,t1v-1,t1v-2,t1v-3"}, "TPU_WORKER_HOSTNAMES lists 4 TPU hosts", {}),
-    ({"TPU_PROCESS_ADDRESSES": "a:8476,b:8476"}, "TPU_PROCESS_ADDRESSES lists 2 TPU hosts", {}),
-    ({"MEGASCALE_NUM_SLICES": "2"}, "MEGASCALE_NUM_SLICES=2", {}),
-    ({"MEGASCALE_NUM_SLICES": "1"}, None, None),
-    ({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8080"}, "MEGASCALE_COORDINATOR_ADDRESS", {}),
-    ({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}, "JAX_COORDINATOR_ADDRESS", {}),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, "SLURM job with SLURM_NTASKS=4", {}),
-    ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None, None),
-    ({"OMPI_COMM_WORLD_SIZE": "2"}, "Open MPI job with OMPI_COMM_WORLD_SIZE=2", {}),
-    ({"COORDINATOR_ADDRESS": "h0:1234", "NUM_PROCESSES": "2", "PROCESS_ID": "1"}, "COORDINATOR_ADDRESS with 2 processes",
-     {"coordinator_address": "h0:1234", "num_processes": 2, "process_id": 1}),
-    ({"COORDINATOR_ADDRESS": "h0:1234", "NUM_PROCESSES": "1", "PROCESS_ID": "0"}, None, None),
-    ({"EAGLE_JAX_DISTRIBUTED": "1"}, "EAGLE_JAX_DISTRIBUTED=1", {}),
-    ({"EAGLE_JAX_DISTRIBUTED": "0", "TPU_WORKER_HOSTNAMES": "a,b"}, None, None),
-])
+@pytest.mark.parametrize(
+    "env, reason, kwargs",
+    [
+        ({}, None, None),
+        ({"TPU_WORKER_HOSTNAMES": "t1v-0"}, None, None),
+        ({"TPU_WORKER_HOSTNAMES": "t1v-0,t1v-1,t1v-2,t1v-3"}, "TPU_WORKER_HOSTNAMES lists 4 TPU hosts", {}),
+        ({"TPU_PROCESS_ADDRESSES": "a:8476,b:8476"}, "TPU_PROCESS_ADDRESSES lists 2 TPU hosts", {}),
+        ({"MEGASCALE_NUM_SLICES": "2"}, "MEGASCALE_NUM_SLICES=2", {}),
+        ({"MEGASCALE_NUM_SLICES": "1"}, None, None),
+        ({"MEGASCALE_COORDINATOR_ADDRESS": "10.0.0.2:8080"}, "MEGASCALE_COORDINATOR_ADDRESS", {}),
+        ({"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234"}, "JAX_COORDINATOR_ADDRESS", {}),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"}, "SLURM job with SLURM_NTASKS=4", {}),
+        ({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}, None, None),
+        ({"OMPI_COMM_WORLD_SIZE": "2"}, "Open MPI job with OMPI_COMM_WORLD_SIZE=2", {}),
+        (
+            {"COORDINATOR_ADDRESS": "h0:1234", "NUM_PROCESSES": "2", "PROCESS_ID": "1"},
+            "COORDINATOR_ADDRESS with 2 processes",
+            {"coordinator_address": "h0:1234", "num_processes": 2, "process_id": 1},
+        ),
+        ({"COORDINATOR_ADDRESS": "h0:1234", "NUM_PROCESSES": "1", "PROCESS_ID": "0"}, None, None),
+        ({"EAGLE_JAX_DISTRIBUTED": "1"}, "EAGLE_JAX_DISTRIBUTED=1", {}),
+        ({"EAGLE_JAX_DISTRIBUTED": "0", "TPU_WORKER_HOSTNAMES": "a,b"}, None, None),
+    ],
+)
 def test_maybe_initialize(env, reason, kwargs, monkeypatch):
     calls = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
@@ -190,10 +216,12 @@ def test_maybe_initialize_once_and_errors(monkeypatch):
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: pytest.fail("initialised twice"))
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
     assert distributed.maybe_initialize({"TPU_WORKER_HOSTNAMES": "a,b"}) is None
-    for env, message in [({"COORDINATOR_ADDRESS": "h:1", "NUM_PROCESSES": "2"}, "PROCESS_ID is not"),
-                         ({"COORDINATOR_ADDRESS": "h:1", "NUM_PROCESSES": "2", "PROCESS_ID": "2"}, r"PROCESS_ID=2 must lie"),
-                         ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' must be"),
-                         ({"EAGLE_JAX_DISTRIBUTED": "yes"}, "must be 0 or 1")]:
+    for env, message in [
+        ({"COORDINATOR_ADDRESS": "h:1", "NUM_PROCESSES": "2"}, "PROCESS_ID is not"),
+        ({"COORDINATOR_ADDRESS": "h:1", "NUM_PROCESSES": "2", "PROCESS_ID": "2"}, r"PROCESS_ID=2 must lie"),
+        ({"SLURM_JOB_ID": "1", "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two' must be"),
+        ({"EAGLE_JAX_DISTRIBUTED": "yes"}, "must be 0 or 1"),
+    ]:
         with pytest.raises(EagleError, match=message):
             distributed.detect(env)
 
@@ -203,8 +231,25 @@ def test_maybe_initialize_once_and_errors(monkeypatch):
 
 def test_plan_cli(capsys, golden_dir):
     """The golden target (4 heads, 2 kv heads) on tensor=4,data=2: kv heads replicated, exact resident bytes."""
-    assert plan.main(["--config", str(golden_dir / "target"), "--mesh", "tensor=4,data=2", "--batch", "4",
-                      "--max-len", "128", "--dtype", "fp32", "--draft-vocab-size", "512"]) == 0
+    assert (
+        plan.main(
+            [
+                "--config",
+                str(golden_dir / "target"),
+                "--mesh",
+                "tensor=4,data=2",
+                "--batch",
+                "4",
+                "--max-len",
+                "128",
+                "--dtype",
+                "fp32",
+                "--draft-vocab-size",
+                "512",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     # k and v [8 layers, 4/2 rows, 128 slots, 2 kv heads (replicated), 32] f32 (+ lengths [4/2] int32)
     assert re.search(rf"target KV cache +{(2 * 8 * 2 * 128 * 2 * 32 * 4 + 8) / 2**20:.2f} MiB", out)
@@ -215,8 +260,9 @@ def test_plan_cli(capsys, golden_dir):
 
 def test_plan_programs(models):
     tcfg, tparams, dcfg, _ = models
-    p = programs.plan_inference(tcfg, dcfg, sharding.make_mesh("tensor=8"), batch=1, max_len=128, dtype=np.float32,
-                                tree=SPEC)
+    p = programs.plan_inference(
+        tcfg, dcfg, sharding.make_mesh("tensor=8"), batch=1, max_len=128, dtype=np.float32, tree=SPEC
+    )
     resident = dict(p.resident)
     # vocab, heads and MLP are split 8 ways; norms are replicated
     assert resident["target parameters"] < sum(x.size * 4 for x in jax.tree.leaves(tparams)) / 4
@@ -260,7 +306,23 @@ def test_train_cli_plan(capsys, golden_dir):
     """`python -m train.eagle3 --plan` prints the compiled memory plan of a training step."""
     from train import eagle3
 
-    assert eagle3.main(["--plan", "--target", str(golden_dir / "target"), "--mesh", "fsdp=8",
-                        "--batch-size", "8", "--max-length", "32", "--ttt-steps", "2"]) == 0
+    assert (
+        eagle3.main(
+            [
+                "--plan",
+                "--target",
+                str(golden_dir / "target"),
+                "--mesh",
+                "fsdp=8",
+                "--batch-size",
+                "8",
+                "--max-length",
+                "32",
+                "--ttt-steps",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "optimizer state" in out and "peak per device" in out and "TPU v6e-8" in out

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eagle_jax.errors import EagleError
 from eagle_jax.decoding import schedule
+from eagle_jax.errors import EagleError
 from eagle_jax.models import kv_cache, target
 from eagle_jax.models.config import default_eagle3_layers
 
@@ -74,8 +74,11 @@ def test_golden_reference(model, reference, i):
     close(out.hidden[0], reference[f"p{i}.hidden_final_norm"], f"p{i} final norm")
     close(out.features[0], reference[f"p{i}.eagle3_fused"], f"p{i} eagle3 fused")
     for j, layer in enumerate(EAGLE3_LAYERS):
-        close(out.features[0, :, j * h:(j + 1) * h], reference[f"p{i}.hidden_layer{layer}_input"],
-              f"p{i} input of layer {layer}")
+        close(
+            out.features[0, :, j * h : (j + 1) * h],
+            reference[f"p{i}.hidden_layer{layer}_input"],
+            f"p{i} input of layer {layer}",
+        )
 
 
 def test_golden_greedy_prefix(model, reference):
@@ -84,7 +87,7 @@ def test_golden_greedy_prefix(model, reference):
         ids = reference[f"p{i}.greedy_ids"].astype(np.int32)
         n = len(prompt(reference, i))
         out = full(model, ids[None, : n + 8])
-        np.testing.assert_array_equal(np.argmax(out.logits[0, n - 1: n + 7], -1), ids[n: n + 8])
+        np.testing.assert_array_equal(np.argmax(out.logits[0, n - 1 : n + 7], -1), ids[n : n + 8])
 
 
 def test_explicit_feature_layers(model, reference):
@@ -93,8 +96,11 @@ def test_explicit_feature_layers(model, reference):
     t = ids.shape[1]
     args = (params, cfg, ids, jnp.arange(t)[None], target.init_cache(cfg, 1, t))
     default, sub = fwd(*args), fwd(*args, feature_layers=(5, 2))
-    close(sub.features[0], np.concatenate([reference["p1.hidden_layer5_input"], reference["p1.hidden_layer2_input"]], -1),
-          "features of layers (5, 2)")
+    close(
+        sub.features[0],
+        np.concatenate([reference["p1.hidden_layer5_input"], reference["p1.hidden_layer2_input"]], -1),
+        "features of layers (5, 2)",
+    )
     close(sub.logits, default.logits, "logits do not depend on the feature layers", tol=0)
     assert sub.features.shape[-1] == 2 * cfg.hidden_size
 
@@ -147,8 +153,9 @@ def test_attention_span_schedule():
     assert [schedule.attention_span(n, 1000) for n in (1, 128, 129, 300, 600)] == [128, 128, 256, 512, 1000]
     assert schedule.attention_span(5, 64) == 64
     for capacity in (1, 64, 128, 129, 384, 1000):
-        assert schedule.all_spans(capacity) == sorted({schedule.attention_span(n, capacity)
-                                                       for n in range(1, capacity + 1)})
+        assert schedule.all_spans(capacity) == sorted(
+            {schedule.attention_span(n, capacity) for n in range(1, capacity + 1)}
+        )
 
 
 def test_uncommitted_entries_are_overwritten(model, reference):
@@ -266,10 +273,18 @@ def test_tree_in_two_calls_with_offset(model, reference):
     cfg, params = model
     cache, _, tree_tokens, positions, mask = _tree_setup(model, reference)
     one = fwd(params, cfg, jnp.asarray(tree_tokens), jnp.asarray(positions), cache, jnp.asarray(mask))
-    first = fwd(params, cfg, jnp.asarray(tree_tokens[:, :4]), jnp.asarray(positions[:, :4]), cache,
-                jnp.asarray(mask[:, :4, :4]))
-    second = fwd(params, cfg, jnp.asarray(tree_tokens[:, 4:]), jnp.asarray(positions[:, 4:]), first.cache,
-                 jnp.asarray(mask[:, 4:, :]), offset=4)
+    first = fwd(
+        params, cfg, jnp.asarray(tree_tokens[:, :4]), jnp.asarray(positions[:, :4]), cache, jnp.asarray(mask[:, :4, :4])
+    )
+    second = fwd(
+        params,
+        cfg,
+        jnp.asarray(tree_tokens[:, 4:]),
+        jnp.asarray(positions[:, 4:]),
+        first.cache,
+        jnp.asarray(mask[:, 4:, :]),
+        offset=4,
+    )
     close(np.concatenate([first.logits, second.logits], 1), one.logits, "two-call tree logits")
 
 

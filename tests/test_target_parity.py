@@ -31,8 +31,8 @@ import jax.numpy as jnp  # noqa: E402
 
 from eagle_jax.errors import EagleError  # noqa: E402
 from eagle_jax.io import hf  # noqa: E402
-from eagle_jax.models import target  # noqa: E402
 from eagle_jax.io.hf import load_target_config  # noqa: E402
+from eagle_jax.models import target  # noqa: E402
 from eagle_jax.models.config import default_eagle3_layers  # noqa: E402
 from eagle_jax.models.params import flatten  # noqa: E402
 
@@ -61,25 +61,42 @@ CASES = {
     "llama_mha": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=4), 12, None),
     "llama_gqa": ("LlamaForCausalLM", "LlamaConfig", dict(num_key_value_heads=1), 12, None),
     "llama_rope_llama3": (
-        "LlamaForCausalLM", "LlamaConfig",
+        "LlamaForCausalLM",
+        "LlamaConfig",
         # head_dim 16, theta 1e4: wavelengths 6..2e4 cover the high, smoothed and low-frequency bands
-        dict(rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                                  high_freq_factor=4.0, original_max_position_embeddings=64)),
-        40, None,
+        dict(
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            )
+        ),
+        40,
+        None,
     ),
     "llama_rope_linear": (
-        "LlamaForCausalLM", "LlamaConfig", dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
-        20, None,
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=4.0)),
+        20,
+        None,
     ),
     "llama_rope_dynamic_short": (
-        "LlamaForCausalLM", "LlamaConfig",
+        "LlamaForCausalLM",
+        "LlamaConfig",
         dict(max_position_embeddings=32, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
-        20, None,
+        20,
+        None,
     ),
     "llama_rope_dynamic_long": (  # positions up to 55 > max_position_embeddings = 32: the base is rescaled
-        "LlamaForCausalLM", "LlamaConfig",
+        "LlamaForCausalLM",
+        "LlamaConfig",
         dict(max_position_embeddings=32, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=2.0)),
-        56, None,
+        56,
+        None,
     ),
     "llama_tied": ("LlamaForCausalLM", "LlamaConfig", dict(tie_word_embeddings=True, num_hidden_layers=3), 12, (0, 2)),
     "llama_attention_bias": ("LlamaForCausalLM", "LlamaConfig", dict(attention_bias=True), 12, None),
@@ -87,9 +104,11 @@ CASES = {
     "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(head_dim=24, use_sliding_window=False), 12, None),
     "mistral": ("MistralForCausalLM", "MistralConfig", dict(sliding_window=None), 12, None),
     "mixtral": (
-        "MixtralForCausalLM", "MixtralConfig",
+        "MixtralForCausalLM",
+        "MixtralConfig",
         dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None, num_hidden_layers=3),
-        12, (1, 2),
+        12,
+        (1, 2),
     ),
 }
 
@@ -189,8 +208,11 @@ def test_parsed_configs(saved):
         cfg = load_target_config(saved(name)[1])
         for field, value in fields.items():
             assert getattr(cfg, field) == value, (name, field)
-    for name, rope_type in [("llama_rope_llama3", "llama3"), ("llama_rope_linear", "linear"),
-                            ("llama_rope_dynamic_long", "dynamic")]:
+    for name, rope_type in [
+        ("llama_rope_llama3", "llama3"),
+        ("llama_rope_linear", "linear"),
+        ("llama_rope_dynamic_long", "dynamic"),
+    ]:
         assert load_target_config(saved(name)[1]).rope.rope_type == rope_type
     # the dynamic case really runs past max_position_embeddings, where the base is rescaled
     cfg = load_target_config(saved("llama_rope_dynamic_long")[1])

@@ -29,17 +29,41 @@ from eagle_jax.training import regenerate as regeneration
 from train import eagle3
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--batch-size", "8", "--max-length", "64", "--ttt-steps", "3", "--lr", "1e-2", "--draft-vocab-size", "256", "--warmup", "3"]
+TINY = [
+    "--batch-size",
+    "8",
+    "--max-length",
+    "64",
+    "--ttt-steps",
+    "3",
+    "--lr",
+    "1e-2",
+    "--draft-vocab-size",
+    "256",
+    "--warmup",
+    "3",
+]
 
 
 def cli_env(tmp: Path, devices: int = 1) -> dict:
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-            "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
 
 
 def run_module(module: str, args: list[str], env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", module, *map(str, args)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +92,29 @@ def read_jsonl(path: Path) -> list[dict]:
 def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdir, golden_dir):
     out = workdir / "run"
     train, held = chain_data
-    res = run_module("train.eagle3", ["--target", target_dir, "--data", train, "--out", out, "--steps", 30, *TINY,
-                                      "--log-every", 1, "--save-every", 10, "--tau-prompts", held, "--tau-every", 30],
-                     cli_env(workdir))
+    res = run_module(
+        "train.eagle3",
+        [
+            "--target",
+            target_dir,
+            "--data",
+            train,
+            "--out",
+            out,
+            "--steps",
+            30,
+            *TINY,
+            "--log-every",
+            1,
+            "--save-every",
+            10,
+            "--tau-prompts",
+            held,
+            "--tau-every",
+            30,
+        ],
+        cli_env(workdir),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 31))
@@ -88,7 +132,11 @@ def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdi
     exported = load_file(str(out / "export" / "model.safetensors"))
     official = load_file(str(golden_dir / "eagle3" / "model.safetensors"))
     assert {k: (v.shape, v.dtype) for k, v in exported.items()} == {k: (v.shape, v.dtype) for k, v in official.items()}
-    assert sorted(p.name for p in (out / "export").iterdir()) == ["config.json", "model.safetensors", "pytorch_model.bin"]
+    assert sorted(p.name for p in (out / "export").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "pytorch_model.bin",
+    ]
     tcfg = loading.target_config(target_dir)
     dcfg, head = loading.load_draft(out / "export", tcfg)
     assert dcfg == eagle3_head_like(tcfg, 256)
@@ -103,9 +151,26 @@ def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdi
 def test_init_from_an_official_head(target_dir, golden_target, workdir, golden_dir):
     """--init-head starts from the golden head and keeps its vocabulary map."""
     out = workdir / "init"
-    greedy = write_jsonl(workdir / "greedy.jsonl", chain_conversations(next_token_table(*golden_target), 64, 40, 2, greedy=True))
-    args = ["--target", target_dir, "--data", greedy, "--out", out, "--steps", 2, *TINY[:-4], "--lr", "1e-6",
-            "--log-every", 1, "--init-head", golden_dir / "eagle3"]
+    greedy = write_jsonl(
+        workdir / "greedy.jsonl", chain_conversations(next_token_table(*golden_target), 64, 40, 2, greedy=True)
+    )
+    args = [
+        "--target",
+        target_dir,
+        "--data",
+        greedy,
+        "--out",
+        out,
+        "--steps",
+        2,
+        *TINY[:-4],
+        "--lr",
+        "1e-6",
+        "--log-every",
+        1,
+        "--init-head",
+        golden_dir / "eagle3",
+    ]
     res = run_module("train.eagle3", args, cli_env(workdir))
     assert res.returncode == 0, res.stderr[-3000:]
     first = read_jsonl(out / "metrics.jsonl")[0]
@@ -157,8 +222,14 @@ def run_main(capsys):
 def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_data, tmp_path):
     train = chain_data[0]
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps([{"conversations": [{"from": "human", "value": "t9"}, {"from": "gpt", "value": "t8"}]},
-                               {"text": "no turns"}]))
+    bad.write_text(
+        json.dumps(
+            [
+                {"conversations": [{"from": "human", "value": "t9"}, {"from": "gpt", "value": "t8"}]},
+                {"text": "no turns"},
+            ]
+        )
+    )
     base = ["--target", target_dir, "--data", train, "--out", tmp_path / "o", *TINY]
     cases = [
         (["--target", tmp_path / "none", "--data", train, "--out", tmp_path / "o"], "directory not found"),
@@ -166,11 +237,17 @@ def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_d
         ([*base, "--mesh", "data=3"], "does not divide the 8 devices"),
         ([*base, "--mesh", "data=8", "--batch-size", "4"], "batch"),
         (["--target", target_dir, "--data", bad, "--out", tmp_path / "o"], f"{bad}: record 1: no 'conversations'"),
-        (["--target", target_dir, "--data", tmp_path / "missing.jsonl", "--out", tmp_path / "o"], "data file not found"),
+        (
+            ["--target", target_dir, "--data", tmp_path / "missing.jsonl", "--out", tmp_path / "o"],
+            "data file not found",
+        ),
         ([*base, "--steps", "0"], "--steps must be >= 1"),
         ([*base, "--tau-every", "5"], "--tau-every needs --tau-prompts"),
         (["--target", target_dir, "--out", tmp_path / "o"], "--data"),
-        ([*base, "--draft-vocab-size", "4096", "--mesh", "fsdp=8"], "--draft-vocab-size: draft vocabulary size 4096 must be in 1..1024"),
+        (
+            [*base, "--draft-vocab-size", "4096", "--mesh", "fsdp=8"],
+            "--draft-vocab-size: draft vocabulary size 4096 must be in 1..1024",
+        ),
     ]
     for args, expected in cases:
         code, lines = run_main(*args)
@@ -183,14 +260,18 @@ def test_resume_with_other_flags_is_refused(run_main, target_dir, chain_data, tm
     out.mkdir()
     run = eagle3.parse_args(["--target", str(target_dir), "--data", str(chain_data[0]), "--out", str(out), *TINY])
     (out / "run.json").write_text(json.dumps(dataclasses.asdict(run)))
-    code, lines = run_main("--target", target_dir, "--data", chain_data[0], "--out", out, *TINY[:-2], "--warmup", 5,
-                           "--mesh", "fsdp=8")
+    code, lines = run_main(
+        "--target", target_dir, "--data", chain_data[0], "--out", out, *TINY[:-2], "--warmup", 5, "--mesh", "fsdp=8"
+    )
     assert code == 2 and "--warmup 3 (now 5)" in lines[-1] and "use a new --out" in lines[-1]
 
 
 def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path, target_dir):
-    res = run_module("train.eagle3", ["--target", target_dir, "--data", tmp_path / "nope.json", "--out", tmp_path / "o"],
-                     cli_env(tmp_path))
+    res = run_module(
+        "train.eagle3",
+        ["--target", target_dir, "--data", tmp_path / "nope.json", "--out", tmp_path / "o"],
+        cli_env(tmp_path),
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert res.stderr.strip().splitlines()[-1] == f"error: {tmp_path / 'nope.json'}: data file not found"
 
@@ -198,22 +279,43 @@ def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path, target_dir):
 # ---------------------------------------------------------------- regeneration
 
 
-def test_regenerate_replaces_answers_with_the_targets_greedy_ones(target_dir, chain_data, golden_target, golden_dir, tmp_path):
+def test_regenerate_replaces_answers_with_the_targets_greedy_ones(
+    target_dir, chain_data, golden_target, golden_dir, tmp_path
+):
     """Also reads the target from an eagle-jax store (config, weights and tokenizer in one directory)."""
     out = tmp_path / "regen.jsonl"
     tcfg, tparams = golden_target
     config = json.loads((golden_dir / "target" / "config.json").read_text())
-    target_store = store.save(tmp_path / "store", target=store.TargetPart(config, tparams), tokenizer_from=target_dir,
-                              progress=False)
-    res = run_module("train.regenerate", ["--target", target_store, "--data", chain_data[1], "--out", out,
-                                          "--max-new-tokens", 6, "--batch-size", 2, "--limit", 3], cli_env(tmp_path))
+    target_store = store.save(
+        tmp_path / "store", target=store.TargetPart(config, tparams), tokenizer_from=target_dir, progress=False
+    )
+    res = run_module(
+        "train.regenerate",
+        [
+            "--target",
+            target_store,
+            "--data",
+            chain_data[1],
+            "--out",
+            out,
+            "--max-new-tokens",
+            6,
+            "--batch-size",
+            2,
+            "--limit",
+            3,
+        ],
+        cli_env(tmp_path),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     source = [json.loads(line) for line in chain_data[1].read_text().splitlines()][:3]
     rows = read_jsonl(out)
     assert len(rows) == 3
     tokenizer = data.chat_tokenizer(target_dir)
-    prompts = [regeneration.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
-               for r in source]
+    prompts = [
+        regeneration.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
+        for r in source
+    ]
     expected = plain.generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos
     for row, src, tokens in zip(rows, source, expected):
         human, gpt = row["conversations"]

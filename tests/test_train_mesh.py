@@ -40,7 +40,9 @@ def two_steps(golden_target, examples, fixed_batch):
     tcfg, tparams = golden_target
     dcfg = eagle3_head_like(tcfg, 256)
     d2t, t2d = objective.build_vocab_map(data.token_counts(examples, 1024)[0], 256)
-    trainable = jax.device_get(objective.split_trainable(params.init_params(draft.param_specs(dcfg), jax.random.key(0)))[0])
+    trainable = jax.device_get(
+        objective.split_trainable(params.init_params(draft.param_specs(dcfg), jax.random.key(0)))[0]
+    )
     optimizer = step.make_optimizer(1e-2, 1, 10)
 
     def run(mesh, bf16: bool = False) -> list[dict]:

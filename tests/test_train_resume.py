@@ -27,17 +27,39 @@ def checkpoint_steps(out: Path) -> list[int]:
 
 def test_kill_9_and_resume_gives_the_same_losses(golden_dir, golden_target, tmp_path):
     target = templated_target_dir(golden_dir, tmp_path / "target")
-    train = write_jsonl(tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0))
+    train = write_jsonl(
+        tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0)
+    )
     env = cli_env(tmp_path)  # a shared compilation cache: the three processes compile once
-    args = ["--target", target, "--data", train, "--steps", 16, *TINY, "--grad-accum", 2, "--save-every", 3,
-            "--keep", 2, "--log-every", 1]
+    args = [
+        "--target",
+        target,
+        "--data",
+        train,
+        "--steps",
+        16,
+        *TINY,
+        "--grad-accum",
+        2,
+        "--save-every",
+        3,
+        "--keep",
+        2,
+        "--log-every",
+        1,
+    ]
 
     reference = run_module("train.eagle3", [*args, "--out", tmp_path / "ref"], env)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "train.eagle3", *map(str, args), "--out", str(out)], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.eagle3", *map(str, args), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 180
     while not checkpoint_steps(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -55,7 +77,9 @@ def test_kill_9_and_resume_gives_the_same_losses(golden_dir, golden_target, tmp_
     ref_rows, rows = read_jsonl(tmp_path / "ref" / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
     # exactly equal: same batches, restored parameters and optimiser state, same compiled step
-    assert [(r["loss"], r["acc"], r["plosses"]) for r in rows] == [(r["loss"], r["acc"], r["plosses"]) for r in ref_rows]
+    assert [(r["loss"], r["acc"], r["plosses"]) for r in rows] == [
+        (r["loss"], r["acc"], r["plosses"]) for r in ref_rows
+    ]
     assert checkpoint_steps(out) == [15, 16]  # --keep 2
     ref_export = (tmp_path / "ref" / "export" / "model.safetensors").read_bytes()
     assert (out / "export" / "model.safetensors").read_bytes() == ref_export

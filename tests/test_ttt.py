@@ -126,11 +126,23 @@ def test_rope_theta_comes_from_head_config(golden_dir, golden_target, golden_ttt
 
 
 def _np64(tree):
-    return jax.tree.map(lambda x: np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else np.asarray(x), tree)
+    return jax.tree.map(
+        lambda x: np.asarray(x, np.float64) if np.issubdtype(x.dtype, np.floating) else np.asarray(x), tree
+    )
 
 
-def plain_ttt(P: dict, c: DraftConfig, embed, features, target_logits, input_ids, attention_mask, loss_mask,
-              steps: int = 7, step_weight: float = 0.8) -> dict:
+def plain_ttt(
+    P: dict,
+    c: DraftConfig,
+    embed,
+    features,
+    target_logits,
+    input_ids,
+    attention_mask,
+    loss_mask,
+    steps: int = 7,
+    step_weight: float = 0.8,
+) -> dict:
     """The objective as written in golden/README.md, one (step, row, position) at a time, in float64."""
     B, T = input_ids.shape
     V = target_logits.shape[-1]
@@ -145,7 +157,7 @@ def plain_ttt(P: dict, c: DraftConfig, embed, features, target_logits, input_ids
     def rope(x, pos):  # x [heads, hd]
         angles = pos / c.rope.theta ** (np.arange(0, hd, 2) / hd)
         angles = np.concatenate([angles, angles])
-        rotated = np.concatenate([-x[:, hd // 2:], x[:, : hd // 2]], axis=1)
+        rotated = np.concatenate([-x[:, hd // 2 :], x[:, : hd // 2]], axis=1)
         return x * np.cos(angles) + rotated * np.sin(angles)
 
     def softmax(x):
@@ -200,15 +212,25 @@ def plain_ttt(P: dict, c: DraftConfig, embed, features, target_logits, input_ids
         acces.append(correct / (lm_sum + 1e-6))
         counted.append(n_counted)
     total = sum(step_weight**j * plosses[j] for j in range(steps))
-    return dict(plosses=np.array(plosses), acces=np.array(acces), n_counted=np.array(counted), total=total,
-                min_gap=min(gaps))
+    return dict(
+        plosses=np.array(plosses), acces=np.array(acces), n_counted=np.array(counted), total=total, min_gap=min(gaps)
+    )
 
 
 def _random_head(rng: np.random.Generator, draft_vocab_size: int) -> tuple[DraftConfig, dict]:
     c = DraftConfig(
-        kind="eagle3", hidden_size=16, intermediate_size=24, num_layers=1, num_heads=4, num_kv_heads=2,
-        head_dim=4, rms_norm_eps=1e-6, rope=RopeConfig(theta=50.0), vocab_size=40,
-        draft_vocab_size=draft_vocab_size, target_hidden_size=16,
+        kind="eagle3",
+        hidden_size=16,
+        intermediate_size=24,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope=RopeConfig(theta=50.0),
+        vocab_size=40,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=16,
     )
     specs = draft.param_specs(c)
 
@@ -309,4 +331,3 @@ def test_ttt_rejects_eagle1_config(golden_dir, golden_target):
     c1, p1 = official.load_head(golden_dir / "eagle1", golden_target[0])
     with pytest.raises(EagleError, match="EAGLE-3"):
         objective.ttt_loss(p1, c1, None, None, None, jnp.zeros((1, 4), jnp.int32), None, None)
-

@@ -16,8 +16,16 @@ from eagle_jax.models.params import init_params
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "mixtral")
 
 
-def tiny_target_config(family: str = "llama", vocab: int = 64, layers: int = 8, tied: bool = False,
-                       hidden: int = 32, heads: int = 4, kv_heads: int = 2, eos: tuple[int, ...] = ()) -> TargetConfig:
+def tiny_target_config(
+    family: str = "llama",
+    vocab: int = 64,
+    layers: int = 8,
+    tied: bool = False,
+    hidden: int = 32,
+    heads: int = 4,
+    kv_heads: int = 2,
+    eos: tuple[int, ...] = (),
+) -> TargetConfig:
     return TargetConfig(
         family=family,
         vocab_size=vocab,
@@ -54,7 +62,9 @@ def tiny_target(family: str = "llama", seed: int = 0, **kw) -> tuple[TargetConfi
     return cfg, random_params(target.param_specs(cfg), seed)
 
 
-def tiny_draft(kind: str, tcfg: TargetConfig, seed: int = 1, draft_vocab: int | None = None) -> tuple[DraftConfig, dict]:
+def tiny_draft(
+    kind: str, tcfg: TargetConfig, seed: int = 1, draft_vocab: int | None = None
+) -> tuple[DraftConfig, dict]:
     """A random head fitting `tcfg`; EAGLE-3 with a vocabulary map when draft_vocab < vocab."""
     vd = draft_vocab or tcfg.vocab_size
     cfg = DraftConfig(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from cli import command
 from eagle_jax.io import files
@@ -35,9 +35,15 @@ def _main(argv: Sequence[str] | None) -> int:
     firsts = firsts[: a.n]
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps({"id": f"demo-{i}", "conversations": [{"from": "human", "value": u["content"]},
-                                                              {"from": "gpt", "value": r["content"]}]})
-             for i, (u, r) in enumerate(firsts)]
+    lines = [
+        json.dumps(
+            {
+                "id": f"demo-{i}",
+                "conversations": [{"from": "human", "value": u["content"]}, {"from": "gpt", "value": r["content"]}],
+            }
+        )
+        for i, (u, r) in enumerate(firsts)
+    ]
     files.write_text_atomic(out, "".join(line + "\n" for line in lines))
     print(f"wrote {len(firsts)} prompts to {out}")
     return 0

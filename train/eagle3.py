@@ -15,8 +15,8 @@ head/ (the final head as an orbax store) and export/ (in the official format); s
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import jax
 
@@ -30,8 +30,11 @@ from eagle_jax.training.trainer import RunConfig, RunMismatch, train
 
 def parse_args(argv: Sequence[str] | None) -> RunConfig:
     p = command.ArgumentParser(prog="python -m train.eagle3", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", required=True,
-                   help="target: Hugging Face directory (weights, config, tokenizer), eagle-jax store or GGUF file")
+    p.add_argument(
+        "--target",
+        required=True,
+        help="target: Hugging Face directory (weights, config, tokenizer), eagle-jax store or GGUF file",
+    )
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files (.json, .jsonl, .parquet)")
     p.add_argument("--out", required=True, help="run directory; reusing it resumes")
     p.add_argument("--steps", type=int, default=1000, help="optimiser updates")
@@ -50,8 +53,9 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--tau-prompts", default=None,
-                   help="held-out prompts (JSONL with 'turns' or conversations) for the real tau")
+    p.add_argument(
+        "--tau-prompts", default=None, help="held-out prompts (JSONL with 'turns' or conversations) for the real tau"
+    )
     p.add_argument("--tau-every", type=int, default=0, help="measure the real tau every K steps (needs --tau-prompts)")
     p.add_argument("--tau-max-new-tokens", type=int, default=64)
     a = p.parse_args(argv)
@@ -71,12 +75,28 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
             eagle3_head_like(loading.target_config(a.target), a.draft_vocab_size)
     resolve = lambda x: str(Path(x).absolute()) if x else None  # noqa: E731
     return RunConfig(
-        target=resolve(a.target), data=tuple(resolve(d) for d in a.data), out=resolve(a.out), steps=a.steps,
-        batch_size=a.batch_size, max_length=a.max_length, ttt_steps=a.ttt_steps, lr=a.lr, warmup=a.warmup,
-        grad_accum=a.grad_accum, mesh=a.mesh, seed=a.seed, draft_vocab_size=a.draft_vocab_size,
-        init_head=resolve(a.init_head), bf16=a.bf16, chat_template=resolve(a.chat_template),
-        save_every=a.save_every, keep=a.keep, log_every=a.log_every, tau_prompts=resolve(a.tau_prompts),
-        tau_every=a.tau_every, tau_max_new_tokens=a.tau_max_new_tokens,
+        target=resolve(a.target),
+        data=tuple(resolve(d) for d in a.data),
+        out=resolve(a.out),
+        steps=a.steps,
+        batch_size=a.batch_size,
+        max_length=a.max_length,
+        ttt_steps=a.ttt_steps,
+        lr=a.lr,
+        warmup=a.warmup,
+        grad_accum=a.grad_accum,
+        mesh=a.mesh,
+        seed=a.seed,
+        draft_vocab_size=a.draft_vocab_size,
+        init_head=resolve(a.init_head),
+        bf16=a.bf16,
+        chat_template=resolve(a.chat_template),
+        save_every=a.save_every,
+        keep=a.keep,
+        log_every=a.log_every,
+        tau_prompts=resolve(a.tau_prompts),
+        tau_every=a.tau_every,
+        tau_max_new_tokens=a.tau_max_new_tokens,
     )
 
 
@@ -88,8 +108,9 @@ def _main(argv: Sequence[str] | None) -> int:
         train(parse_args(argv))
     except RunMismatch as exc:
         shown = "; ".join(f"--{k.replace('_', '-')} {saved!r} (now {now!r})" for k, saved, now in exc.diffs)
-        raise EagleError(f"{exc.out} holds a run started with {shown}; repeat those flags to resume or use a new "
-                         "--out") from None
+        raise EagleError(
+            f"{exc.out} holds a run started with {shown}; repeat those flags to resume or use a new --out"
+        ) from None
     return 0
 
 

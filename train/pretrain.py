@@ -11,7 +11,7 @@ step). The result (config.json, generation_config.json, model.safetensors, the t
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from cli import command
 from eagle_jax.training import pretrain
@@ -37,16 +37,23 @@ def _main(argv: Sequence[str] | None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=float, default=5.0, help="minutes between saves")
     ap.add_argument("--bench", type=int, default=0, help="time this many steps and exit")
-    ap.add_argument("--export-half", nargs=2, metavar=("SRC", "DST"),
-                    help="only copy the trained target SRC to DST with float16 weights, and exit")
+    ap.add_argument(
+        "--export-half",
+        nargs=2,
+        metavar=("SRC", "DST"),
+        help="only copy the trained target SRC to DST with float16 weights, and exit",
+    )
     a = vars(ap.parse_args(argv))
     bench, half = a.pop("bench"), a.pop("export_half")
     if half:
         print(f"wrote {pretrain.export_half(*half)} (float16 weights)")
         return 0
     result = pretrain.pretrain(pretrain.PretrainConfig(**a), bench)
-    print(result if bench else f"saved {a['out']}: {result['steps']} steps, {result['tokens']} tokens, "
-                               f"loss {result['final_loss']}")
+    print(
+        result
+        if bench
+        else f"saved {a['out']}: {result['steps']} steps, {result['tokens']} tokens, loss {result['final_loss']}"
+    )
     return 0
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from cli import command
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -30,7 +30,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files")
     p.add_argument("--out", required=True, help="output JSONL (ShareGPT format); an existing file is continued")
     p.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn")
-    p.add_argument("--max-length", type=int, default=2048, help="a conversation stops before a turn whose prompt + answer would exceed this")
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=2048,
+        help="a conversation stops before a turn whose prompt + answer would exceed this",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation call")
     p.add_argument("--limit", type=int, default=None, help="only the first N usable conversations")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -50,10 +55,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def _main(argv: Sequence[str] | None) -> int:
     a = parse_args(argv)
-    rc = RegenerateConfig(target=a.target, data=tuple(a.data), out=a.out, max_new_tokens=a.max_new_tokens,
-                          max_length=a.max_length, batch_size=a.batch_size, limit=a.limit,
-                          sampling=SamplingConfig(a.temperature, a.top_p, a.top_k), seed=a.seed,
-                          chat_template=a.chat_template)
+    rc = RegenerateConfig(
+        target=a.target,
+        data=tuple(a.data),
+        out=a.out,
+        max_new_tokens=a.max_new_tokens,
+        max_length=a.max_length,
+        batch_size=a.batch_size,
+        limit=a.limit,
+        sampling=SamplingConfig(a.temperature, a.top_p, a.top_k),
+        seed=a.seed,
+        chat_template=a.chat_template,
+    )
     with command.flag("--mesh"):
         mesh = sharding.make_mesh(a.mesh) if a.mesh else None
     print(json.dumps(regenerate(rc, mesh)), file=sys.stderr)

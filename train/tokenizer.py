@@ -9,8 +9,8 @@ conversations that are mostly ASCII are used (the demo model is English).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from cli import command
 from eagle_jax.training import data, tokenizer

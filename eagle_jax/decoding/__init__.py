@@ -1,0 +1,2 @@
+"""Generating tokens: sizing (`schedule`), draft trees, sampling, acceptance, output emission, plain and
+speculative decoding, and the same programs jitted for a device mesh."""

@@ -16,7 +16,7 @@ Statistics: tau = tokens per cycle; the accept-length histogram counts cycles by
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp

@@ -22,8 +22,9 @@ def is_eos(tokens: jax.Array, cfg: TargetConfig) -> jax.Array:
     return jnp.isin(tokens, jnp.asarray(cfg.eos_token_ids, tokens.dtype))
 
 
-def emit(out: jax.Array, counts: jax.Array, limits: jax.Array, tokens: jax.Array, n: jax.Array,
-         cfg: TargetConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+def emit(
+    out: jax.Array, counts: jax.Array, limits: jax.Array, tokens: jax.Array, n: jax.Array, cfg: TargetConfig
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Append the first n [B] of tokens [B, T] to out [B, S] at counts [B], at most up to limits [B] and
     through the first eos. Returns (out, counts, hit_eos [B])."""
     offsets = jnp.arange(tokens.shape[1])[None, :]

@@ -46,8 +46,16 @@ class GenerationResult:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "sc", "capacity"))
-def prefill(params: dict, tokens: jax.Array, lengths: jax.Array, key: jax.Array, *,
-            cfg: TargetConfig, sc: SamplingConfig, capacity: int) -> tuple[KVCache, jax.Array]:
+def prefill(
+    params: dict,
+    tokens: jax.Array,
+    lengths: jax.Array,
+    key: jax.Array,
+    *,
+    cfg: TargetConfig,
+    sc: SamplingConfig,
+    capacity: int,
+) -> tuple[KVCache, jax.Array]:
     """Fill a fresh cache with right-padded prompts and sample each row's first new token.
 
     tokens [B, P] (row b valid up to lengths[b]), lengths [B] -> (cache with lengths set, first [B] int32).
@@ -69,8 +77,9 @@ def init_state(cache: KVCache, first: jax.Array, limits: jax.Array, cfg: TargetC
     return DecodeState(jnp.int32(1), first, eos | (counts >= limits), eos, counts, limits, out, cache)
 
 
-def decode_loop(params: dict, state: DecodeState, key: jax.Array, cfg: TargetConfig, sc: SamplingConfig,
-                span: int | None = None) -> DecodeState:
+def decode_loop(
+    params: dict, state: DecodeState, key: jax.Array, cfg: TargetConfig, sc: SamplingConfig, span: int | None = None
+) -> DecodeState:
     """Generate until every row hits eos or its budget, or a running row's next step would write past
     `span` cache slots (default: the whole cache); step s samples with fold_in(key, s).
 
@@ -99,12 +108,24 @@ def decode_loop(params: dict, state: DecodeState, key: jax.Array, cfg: TargetCon
 decode_span = jax.jit(decode_loop, static_argnames=("cfg", "sc", "span"), donate_argnames=("state",))
 
 
-def decode(params: dict, cache: KVCache, first: jax.Array, limits: jax.Array, key: jax.Array, *,
-           cfg: TargetConfig, sc: SamplingConfig) -> DecodeState:
+def decode(
+    params: dict,
+    cache: KVCache,
+    first: jax.Array,
+    limits: jax.Array,
+    key: jax.Array,
+    *,
+    cfg: TargetConfig,
+    sc: SamplingConfig,
+) -> DecodeState:
     """Generate from a prefilled cache and first tokens [B] until every row hits eos or its budget
     limits [B], in segments over growing attention spans (the cache is consumed)."""
-    return schedule.run_segments(lambda s, span: decode_span(params, s, key, cfg=cfg, sc=sc, span=span),
-                                 init_state(cache, first, limits, cfg), lambda s: s.cache.lengths + 1, cache.capacity)
+    return schedule.run_segments(
+        lambda s, span: decode_span(params, s, key, cfg=cfg, sc=sc, span=span),
+        init_state(cache, first, limits, cfg),
+        lambda s: s.cache.lengths + 1,
+        cache.capacity,
+    )
 
 
 def result(state: DecodeState, bucket: int) -> GenerationResult:

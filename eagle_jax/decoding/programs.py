@@ -53,20 +53,39 @@ def cache_shardings(num_kv_heads: int, mesh: Mesh) -> KVCache:
 def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh) -> SpecState:
     """The speculative loop state: caches as `cache_shardings`, per-row fields over data, the rest replicated."""
     by_row, by_row_wide, by_step, replicated = (
-        _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), (None, "batch"), ()))
+        _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), (None, "batch"), ())
+    )
     return SpecState(
         target_cache=cache_shardings(tcfg.num_kv_heads, mesh),
         draft_cache=cache_shardings(dcfg.num_kv_heads, mesh),
-        root=by_row, draft_hidden=by_row_wide, out=by_row_wide, counts=by_row, limits=by_row, done=by_row,
-        eos=by_row, cycle=replicated, accept_lengths=by_step, key=replicated,
+        root=by_row,
+        draft_hidden=by_row_wide,
+        out=by_row_wide,
+        counts=by_row,
+        limits=by_row,
+        done=by_row,
+        eos=by_row,
+        cycle=replicated,
+        accept_lengths=by_step,
+        key=replicated,
     )
 
 
 def decode_state_shardings(tcfg: TargetConfig, mesh: Mesh) -> DecodeState:
     """The plain decode loop state: the cache as `cache_shardings`, per-row fields over data."""
-    by_row, by_row_wide, replicated = (_named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), ()))
-    return DecodeState(step=replicated, last=by_row, done=by_row, eos=by_row, counts=by_row, limits=by_row,
-                       out=by_row_wide, cache=cache_shardings(tcfg.num_kv_heads, mesh))
+    by_row, by_row_wide, replicated = (
+        _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), ())
+    )
+    return DecodeState(
+        step=replicated,
+        last=by_row,
+        done=by_row,
+        eos=by_row,
+        counts=by_row,
+        limits=by_row,
+        out=by_row_wide,
+        cache=cache_shardings(tcfg.num_kv_heads, mesh),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,17 +106,25 @@ class SpecPrograms:
 
 
 @functools.lru_cache(maxsize=16)
-def spec_programs(tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig, sampling: SamplingConfig, capacity: int,
-                  mesh: Mesh) -> SpecPrograms:
+def spec_programs(
+    tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig, sampling: SamplingConfig, capacity: int, mesh: Mesh
+) -> SpecPrograms:
     check_mesh(mesh, tcfg, dcfg)
     tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh)
     ssh = spec_state_shardings(tcfg, dcfg, mesh)
     rows, replicated = ssh.counts, ssh.key
     static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling)
-    prefill = jax.jit(functools.partial(speculative.prefill, capacity=capacity, **static),
-                      in_shardings=(tsh, dsh, rows, rows, rows, replicated), out_shardings=ssh)
-    run = jax.jit(functools.partial(speculative.run_loop, **static), in_shardings=(tsh, dsh, ssh), out_shardings=ssh,
-                  donate_argnums=(2,))
+    prefill = jax.jit(
+        functools.partial(speculative.prefill, capacity=capacity, **static),
+        in_shardings=(tsh, dsh, rows, rows, rows, replicated),
+        out_shardings=ssh,
+    )
+    run = jax.jit(
+        functools.partial(speculative.run_loop, **static),
+        in_shardings=(tsh, dsh, ssh),
+        out_shardings=ssh,
+        donate_argnums=(2,),
+    )
     return SpecPrograms(tsh, dsh, ssh, rows, replicated, prefill, run)
 
 
@@ -121,14 +148,18 @@ def plain_programs(tcfg: TargetConfig, sampling: SamplingConfig, capacity: int, 
     check_mesh(mesh, tcfg)
     tsh, dsh = target_shardings(tcfg, mesh), decode_state_shardings(tcfg, mesh)
     rows, replicated = dsh.counts, dsh.step
-    prefill = jax.jit(functools.partial(plain.prefill, cfg=tcfg, sc=sampling, capacity=capacity),
-                      in_shardings=(tsh, rows, rows, replicated), out_shardings=(dsh.cache, rows))
+    prefill = jax.jit(
+        functools.partial(plain.prefill, cfg=tcfg, sc=sampling, capacity=capacity),
+        in_shardings=(tsh, rows, rows, replicated),
+        out_shardings=(dsh.cache, rows),
+    )
 
     def decode(params, cache, first, limits, key):
         return plain.decode_loop(params, plain.init_state(cache, first, limits, tcfg), key, tcfg, sampling)
 
-    decode = jax.jit(decode, in_shardings=(tsh, dsh.cache, rows, rows, replicated), out_shardings=dsh,
-                     donate_argnums=(1,))
+    decode = jax.jit(
+        decode, in_shardings=(tsh, dsh.cache, rows, rows, replicated), out_shardings=dsh, donate_argnums=(1,)
+    )
     return PlainPrograms(tsh, rows, replicated, prefill, decode)
 
 
@@ -155,9 +186,19 @@ def _put_rows(x: np.ndarray, real: int, fill: int, where: NamedSharding) -> jax.
     return sharding.put(x, where)
 
 
-def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftConfig, prompts: list[list[int]],
-             max_new_tokens: int, mesh: Mesh, tree: TreeConfig = DynamicTree(),
-             sampling: SamplingConfig = SamplingConfig(), seed: int = 0, capacity: int | None = None) -> SpecResult:
+def generate(
+    tparams: PyTree,
+    tcfg: TargetConfig,
+    dparams: PyTree,
+    dcfg: DraftConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    mesh: Mesh,
+    tree: TreeConfig = DynamicTree(),
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    capacity: int | None = None,
+) -> SpecResult:
     """`speculative.generate` on a mesh: the same tokens, with parameters and state sharded."""
     pad_id = tcfg.pad_token_id or 0
     rows = _pad_rows(prompts, mesh, pad_id)
@@ -175,9 +216,16 @@ def generate(tparams: PyTree, tcfg: TargetConfig, dparams: PyTree, dcfg: DraftCo
     return SpecResult(res.tokens[:n], res.accept_lengths[:n], res.stop_reasons[:n])
 
 
-def generate_plain(params: PyTree, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int, mesh: Mesh,
-                   sampling: SamplingConfig = SamplingConfig(), seed: int = 0,
-                   capacity: int | None = None) -> GenerationResult:
+def generate_plain(
+    params: PyTree,
+    cfg: TargetConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    mesh: Mesh,
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    capacity: int | None = None,
+) -> GenerationResult:
     """`plain.generate` on a mesh: the same tokens, with parameters and cache sharded."""
     pad_id = cfg.pad_token_id or 0
     rows = _pad_rows(prompts, mesh, pad_id)
@@ -194,15 +242,25 @@ def generate_plain(params: PyTree, cfg: TargetConfig, prompts: list[list[int]], 
     return dataclasses.replace(res, tokens=res.tokens[:n], stop_reasons=res.stop_reasons[:n])
 
 
-def plan_inference(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, max_len: int, dtype: Any,
-                   tree: TreeConfig = DynamicTree(), prompt_len: int | None = None) -> Plan:
+def plan_inference(
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    mesh: Mesh,
+    batch: int,
+    max_len: int,
+    dtype: Any,
+    tree: TreeConfig = DynamicTree(),
+    prompt_len: int | None = None,
+) -> Plan:
     """Compile the sharded prefill (prompts [batch, prompt_len], default max_len) and generation loop with
     abstract parameters; their memory per device."""
     check_mesh(mesh, tcfg, dcfg, batch)
     prompt_len = prompt_len or max_len
     if not tree.cache_overhead < max_len or not 0 < prompt_len <= max_len:
-        raise EagleError(f"a cache of {max_len} slots must exceed one cycle's {tree.cache_overhead} slots and hold the "
-                         f"{prompt_len}-token prompt")
+        raise EagleError(
+            f"a cache of {max_len} slots must exceed one cycle's {tree.cache_overhead} slots and hold the "
+            f"{prompt_len}-token prompt"
+        )
     progs = spec_programs(tcfg, dcfg, tree, SamplingConfig(), max_len, mesh)
     tparams = abstract(with_dtype(target.param_specs(tcfg), dtype), progs.target)
     dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), progs.draft)
@@ -222,6 +280,5 @@ def plan_inference(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int
         compile_program(f"prefill ({prompt_len}-token prompts)", mesh, progs.prefill, tparams, dparams, *inputs),
         compile_program("generation loop (cycles)", mesh, progs.run, tparams, dparams, state),
     )
-    title = (f"inference: batch {batch}, max-len {max_len}, {jnp.dtype(dtype).name}, tree {tree}, "
-             f"mesh {mesh_text(mesh)}")
+    title = f"inference: batch {batch}, max-len {max_len}, {jnp.dtype(dtype).name}, tree {tree}, mesh {mesh_text(mesh)}"
     return Plan(title, mesh.size, compiler_name(mesh), resident, compiled)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import jax
 import numpy as np
@@ -56,8 +57,13 @@ class Plan:
         return bool((self.limits < self.max_new_tokens).any())
 
 
-def plan(lengths: Sequence[int], max_new_tokens: int, overhead: int = 0, capacity: int | None = None,
-         max_positions: int | None = None) -> Plan:
+def plan(
+    lengths: Sequence[int],
+    max_new_tokens: int,
+    overhead: int = 0,
+    capacity: int | None = None,
+    max_positions: int | None = None,
+) -> Plan:
     """Size a generation of prompts of `lengths`.
 
     overhead: cache slots one step needs past the context (a speculative cycle's tree; 0 for plain
@@ -77,8 +83,10 @@ def plan(lengths: Sequence[int], max_new_tokens: int, overhead: int = 0, capacit
     usable = capacity - overhead
     if longest >= usable:
         tree = f" minus {overhead} slots for one draft tree" if overhead else ""
-        raise EagleError(f"prompt of {longest} tokens does not fit the cache capacity {capacity}{tree}; "
-                         "use a larger capacity or a shorter prompt")
+        raise EagleError(
+            f"prompt of {longest} tokens does not fit the cache capacity {capacity}{tree}; "
+            "use a larger capacity or a shorter prompt"
+        )
     limits = np.minimum(max_new_tokens, usable - lengths).astype(np.int32)
     return Plan(capacity, prompt_bucket(longest, capacity), limits, max_new_tokens)
 
@@ -93,14 +101,23 @@ class Prompts:
     capacity: int  # cache slots per row
 
 
-def prepare(prompts: Sequence[Sequence[int]], max_new_tokens: int, overhead: int = 0, capacity: int | None = None,
-            max_positions: int | None = None, pad_id: int = 0) -> Prompts:
+def prepare(
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    overhead: int = 0,
+    capacity: int | None = None,
+    max_positions: int | None = None,
+    pad_id: int = 0,
+) -> Prompts:
     """`plan` the prompts (warning when budgets are clamped) and right-pad them to the bucket."""
     p = plan([len(x) for x in prompts], max_new_tokens, overhead, capacity, max_positions)
     if p.clamped:
-        warnings.warn(f"max_new_tokens={max_new_tokens} clamped to {int(p.limits.min())} for the longest prompt "
-                      f"({max(map(len, prompts))} tokens): the cache holds {p.capacity} tokens; use a larger capacity "
-                      "to generate more", stacklevel=3)
+        warnings.warn(
+            f"max_new_tokens={max_new_tokens} clamped to {int(p.limits.min())} for the longest prompt "
+            f"({max(map(len, prompts))} tokens): the cache holds {p.capacity} tokens; use a larger capacity "
+            "to generate more",
+            stacklevel=3,
+        )
     tokens = np.full((len(prompts), p.bucket), pad_id, np.int32)
     for row, x in enumerate(prompts):
         tokens[row, : len(x)] = x
@@ -126,8 +143,9 @@ def live_span(needed: np.ndarray, done: np.ndarray, capacity: int) -> int:
     return attention_span(int(needed[~done].max()), capacity)
 
 
-def run_segments(segment: Callable[[State, int], State], state: State, slots_needed: Callable[[State], jax.Array],
-                 capacity: int) -> State:
+def run_segments(
+    segment: Callable[[State, int], State], state: State, slots_needed: Callable[[State], jax.Array], capacity: int
+) -> State:
     """Drive a decode loop that also stops when a running row outgrows its attention span: run
     `segment(state, span)` with the smallest span holding every running row's slots_needed(state) [B],
     again with a larger span when it stops early, until every row is done."""

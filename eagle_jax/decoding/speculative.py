@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -90,8 +90,9 @@ def _expand_fn(dparams: dict, dcfg: DraftConfig, embed: jax.Array, head: jax.Arr
     return expand
 
 
-def _draft_context(dparams, dcfg, embed, cache: KVCache, tokens, features, count,
-                   span: int | None) -> tuple[jax.Array, KVCache]:
+def _draft_context(
+    dparams, dcfg, embed, cache: KVCache, tokens, features, count, span: int | None
+) -> tuple[jax.Array, KVCache]:
     """Append (feature_i, token_{i+1}) pairs [B, T] for the first count [B] of each row; returns the
     draft output at the last appended pair [B, H] and the cache with lengths advanced by count."""
     b, t = tokens.shape
@@ -103,8 +104,20 @@ def _draft_context(dparams, dcfg, embed, cache: KVCache, tokens, features, count
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "capacity"))
-def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfig, dcfg: DraftConfig,
-            tree: TreeConfig, sampling: SamplingConfig, capacity: int) -> SpecState:
+def prefill(
+    tparams,
+    dparams,
+    tokens,
+    lengths,
+    limits,
+    key,
+    *,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    tree: TreeConfig,
+    sampling: SamplingConfig,
+    capacity: int,
+) -> SpecState:
     """Prompts [B, P] right-padded with lengths [B] -> the state before the first cycle.
 
     The target fills its cache and picks the first root; the draft reads the pairs
@@ -117,8 +130,9 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, tcfg: TargetConfi
     root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), sampling)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, lengths - 1].set(root)
     dcache = draft.init_cache(dcfg, b, capacity, tparams["embed"].dtype)
-    draft_hidden, dcache = _draft_context(dparams, dcfg, tparams["embed"], dcache, shifted, _features(dcfg, out),
-                                          lengths, span=p)
+    draft_hidden, dcache = _draft_context(
+        dparams, dcfg, tparams["embed"], dcache, shifted, _features(dcfg, out), lengths, span=p
+    )
     return SpecState(
         target_cache=kv_cache.set_lengths(out.cache, lengths),
         draft_cache=dcache,
@@ -140,8 +154,16 @@ def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     return jnp.maximum(s.target_cache.lengths, s.draft_cache.lengths) + tree.cache_overhead
 
 
-def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig,
-           sampling: SamplingConfig, span: int | None) -> tuple[SpecState, Tree]:
+def _cycle(
+    tparams,
+    dparams,
+    s: SpecState,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    tree: TreeConfig,
+    sampling: SamplingConfig,
+    span: int | None,
+) -> tuple[SpecState, Tree]:
     """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
     running row's `slots_needed`). Returns the new state and this cycle's tree."""
     rows = jnp.arange(s.root.shape[0])
@@ -155,8 +177,16 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     tr, dcache = trees.build(tree, start, expand, s.draft_cache)
     # 2. verify: one target forward over the tree
     positions = s.target_cache.lengths[:, None] + tr.depths
-    fwd = target.forward(tparams, tcfg, tr.tokens, positions, s.target_cache, mask=tr.mask,
-                         feature_layers=dcfg.feature_layers(tcfg), span=span)
+    fwd = target.forward(
+        tparams,
+        tcfg,
+        tr.tokens,
+        positions,
+        s.target_cache,
+        mask=tr.mask,
+        feature_layers=dcfg.feature_layers(tcfg),
+        span=span,
+    )
     key = jax.random.fold_in(s.key, s.cycle + 1)
     choice = sample(key, fwd.logits, sampling)  # [B, N] the target's token after each node
     # 3. accept the deepest node whose whole path agrees with the target
@@ -190,15 +220,22 @@ def _cycle(tparams, dparams, s: SpecState, tcfg: TargetConfig, dcfg: DraftConfig
     return new, tr
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"),
-                   donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"), donate_argnames=("state",))
 def cycle(tparams, dparams, state: SpecState, *, tcfg, dcfg, tree, sampling, span=None) -> tuple[SpecState, Tree]:
     """One jitted cycle (the streaming path)."""
     return _cycle(tparams, dparams, state, tcfg, dcfg, tree, sampling, span)
 
 
-def run_loop(tparams, dparams, state: SpecState, tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig,
-             sampling: SamplingConfig, span: int | None = None) -> SpecState:
+def run_loop(
+    tparams,
+    dparams,
+    state: SpecState,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    tree: TreeConfig,
+    sampling: SamplingConfig,
+    span: int | None = None,
+) -> SpecState:
     """Cycles as one `lax.while_loop` (no host round trip per cycle) until every row is done or a
     running row's next cycle would write past `span` cache slots (default: the whole cache)."""
     span = kv_cache.span_of(state.target_cache, span)
@@ -206,33 +243,60 @@ def run_loop(tparams, dparams, state: SpecState, tcfg: TargetConfig, dcfg: Draft
     def go_on(s: SpecState) -> jax.Array:
         return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, tree) <= span))
 
-    return jax.lax.while_loop(
-        go_on, lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, tree, sampling, span)[0], state)
+    return jax.lax.while_loop(go_on, lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, tree, sampling, span)[0], state)
 
 
-run_span = jax.jit(run_loop, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"),
-                   donate_argnames=("state",))
+run_span = jax.jit(run_loop, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"), donate_argnames=("state",))
 
 
-def run(tparams, dparams, state: SpecState, *, tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig,
-        sampling: SamplingConfig) -> SpecState:
+def run(
+    tparams,
+    dparams,
+    state: SpecState,
+    *,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    tree: TreeConfig,
+    sampling: SamplingConfig,
+) -> SpecState:
     """Cycles until every row is done, in segments over growing attention spans."""
     return schedule.run_segments(
         lambda s, span: run_span(tparams, dparams, s, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span),
-        state, lambda s: slots_needed(s, tree), state.target_cache.capacity)
+        state,
+        lambda s: slots_needed(s, tree),
+        state.target_cache.capacity,
+    )
 
 
-def prepare(prompts: list[list[int]], max_new_tokens: int, tree: TreeConfig, tcfg: TargetConfig,
-            capacity: int | None = None) -> schedule.Prompts:
+def prepare(
+    prompts: list[list[int]], max_new_tokens: int, tree: TreeConfig, tcfg: TargetConfig, capacity: int | None = None
+) -> schedule.Prompts:
     """Size and pad prompts; the cache holds prompt + budget + one cycle's tree."""
-    return schedule.prepare(prompts, max_new_tokens, tree.cache_overhead, capacity,
-                            tcfg.rope.max_position_embeddings, tcfg.pad_token_id or 0)
+    return schedule.prepare(
+        prompts,
+        max_new_tokens,
+        tree.cache_overhead,
+        capacity,
+        tcfg.rope.max_position_embeddings,
+        tcfg.pad_token_id or 0,
+    )
 
 
 def init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity) -> SpecState:
     p = prepare(prompts, max_new_tokens, tree, tcfg, capacity)
-    return prefill(tparams, dparams, p.tokens, p.lengths, p.limits, jax.random.key(seed), tcfg=tcfg, dcfg=dcfg,
-                   tree=tree, sampling=sampling, capacity=p.capacity)
+    return prefill(
+        tparams,
+        dparams,
+        p.tokens,
+        p.lengths,
+        p.limits,
+        jax.random.key(seed),
+        tcfg=tcfg,
+        dcfg=dcfg,
+        tree=tree,
+        sampling=sampling,
+        capacity=p.capacity,
+    )
 
 
 def result(state: SpecState) -> SpecResult:
@@ -245,17 +309,35 @@ def result(state: SpecState) -> SpecResult:
     )
 
 
-def generate(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: list[list[int]],
-             max_new_tokens: int, tree: TreeConfig = trees.DynamicTree(), sampling: SamplingConfig = SamplingConfig(),
-             seed: int = 0, capacity: int | None = None) -> SpecResult:
+def generate(
+    tparams,
+    tcfg: TargetConfig,
+    dparams,
+    dcfg: DraftConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    tree: TreeConfig = trees.DynamicTree(),
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    capacity: int | None = None,
+) -> SpecResult:
     """Speculative generation of up to max_new_tokens new tokens per prompt, on device end to end."""
     state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
     return result(run(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling))
 
 
-def stream(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: list[list[int]],
-           max_new_tokens: int, tree: TreeConfig = trees.DynamicTree(), sampling: SamplingConfig = SamplingConfig(),
-           seed: int = 0, capacity: int | None = None) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
+def stream(
+    tparams,
+    tcfg: TargetConfig,
+    dparams,
+    dcfg: DraftConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    tree: TreeConfig = trees.DynamicTree(),
+    sampling: SamplingConfig = SamplingConfig(),
+    seed: int = 0,
+    capacity: int | None = None,
+) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
     """Drive the jitted cycle from Python; yields (new tokens per row, the cycle's tree, state)."""
     state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
     before, needed, done = jax.device_get((state.counts, slots_needed(state, tree), state.done))
@@ -264,5 +346,5 @@ def stream(tparams, tcfg: TargetConfig, dparams, dcfg: DraftConfig, prompts: lis
         state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span)
         counts, needed, done = jax.device_get((state.counts, slots_needed(state, tree), state.done))
         out = np.asarray(jax.device_get(state.out))
-        yield [out[r, before[r]:counts[r]].tolist() for r in range(len(counts))], tr, state
+        yield [out[r, before[r] : counts[r]].tolist() for r in range(len(counts))], tr, state
         before = counts

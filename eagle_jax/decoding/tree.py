@@ -14,7 +14,8 @@ child rank) after the global top-(total_tokens - 1) rerank.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -292,4 +293,6 @@ def parse_static(text: str) -> StaticTree:
         paths: Sequence[Sequence[int]] = json.loads(text)
         return StaticTree(tuple(tuple(int(x) for x in p) for p in paths))
     except (json.JSONDecodeError, TypeError, ValueError):
-        raise EagleError(f"bad static tree {text!r}: give 'mc_sim_7b_63' or a JSON list of rank paths like [[0],[1],[0,0]]") from None
+        raise EagleError(
+            f"bad static tree {text!r}: give 'mc_sim_7b_63' or a JSON list of rank paths like [[0],[1],[0,0]]"
+        ) from None

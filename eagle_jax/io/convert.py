@@ -20,8 +20,15 @@ from eagle_jax.models import draft, target
 VERIFY_TOKENS = 16
 
 
-def convert(target_dir: str | Path, draft_dir: str | Path | None, out: str | Path, dtype=None,
-            kind: str | None = None, overwrite: bool = False, progress: bool = True) -> Path:
+def convert(
+    target_dir: str | Path,
+    draft_dir: str | Path | None,
+    out: str | Path,
+    dtype=None,
+    kind: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Read, check and store; the head is checked against the target before the target is read."""
     target_dir = Path(target_dir)
     tcfg = hf.load_target_config(target_dir)
@@ -31,8 +38,9 @@ def convert(target_dir: str | Path, draft_dir: str | Path | None, out: str | Pat
         draft_part = store.DraftPart(files.read_json(Path(draft_dir) / "config.json"), dcfg.kind, dparams)
     _, tparams = hf.load_target(target_dir, dtype, progress=progress)
     gen_path = target_dir / "generation_config.json"
-    target_part = store.TargetPart(files.read_json(target_dir / "config.json"), tparams,
-                                   files.read_json(gen_path) if gen_path.is_file() else None)
+    target_part = store.TargetPart(
+        files.read_json(target_dir / "config.json"), tparams, files.read_json(gen_path) if gen_path.is_file() else None
+    )
     return store.save(out, target_part, draft_part, tokenizer_from=target_dir, overwrite=overwrite, progress=progress)
 
 
@@ -66,8 +74,12 @@ def _torch_rope(raw_cfg: dict, head_dim: int, seq: int):
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     keys = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
-    cfg = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
-                      **{k: raw_cfg[k] for k in keys if raw_cfg.get(k) is not None})
+    cfg = LlamaConfig(
+        hidden_size=head_dim,
+        num_attention_heads=1,
+        head_dim=head_dim,
+        **{k: raw_cfg[k] for k in keys if raw_cfg.get(k) is not None},
+    )
     cos, sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, seq, head_dim), torch.arange(seq)[None])
     return cos[0, :, None, :], sin[0, :, None, :]
 
@@ -130,7 +142,9 @@ def _rounded(x: np.ndarray, dtype):
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def verify(store_dir: str | Path, target_dir: str | Path, draft_dir: str | Path | None, seed: int = 0) -> dict[str, float]:
+def verify(
+    store_dir: str | Path, target_dir: str | Path, draft_dir: str | Path | None, seed: int = 0
+) -> dict[str, float]:
     """Largest |torch - jax| differences: target logits, and draft outputs and logits."""
     try:
         import torch
@@ -153,17 +167,21 @@ def verify(store_dir: str | Path, target_dir: str | Path, draft_dir: str | Path 
     if draft_dir is None or m.draft_config is None:
         return report
     dcfg, dparams = store.load_draft_store(store_dir, tcfg, dtype=np.float32)
-    layers = [ref.hidden_states[i] for i in dcfg.feature_layers(tcfg)] if dcfg.kind == "eagle3" else [ref.hidden_states[-1]]
+    layers = (
+        [ref.hidden_states[i] for i in dcfg.feature_layers(tcfg)] if dcfg.kind == "eagle3" else [ref.hidden_states[-1]]
+    )
     features = torch.cat(layers, dim=-1)[0].float()
     tensors = {k: _rounded(v, np.dtype(m.draft_dtype)) for k, v in hf.read_tensors(draft_dir).items()}
     embed = torch.from_numpy(np.asarray(tparams["embed"]))
     lm_head = torch.from_numpy(np.asarray(target.output_head(tparams, tcfg)).T.copy())
     with torch.no_grad():
-        t_out, t_logits = torch_draft_forward(tensors, m.draft_config, dcfg.kind, embed, lm_head,
-                                              torch.from_numpy(ids[0]), features)
+        t_out, t_logits = torch_draft_forward(
+            tensors, m.draft_config, dcfg.kind, embed, lm_head, torch.from_numpy(ids[0]), features
+        )
     hidden = draft.project_features(dparams, dcfg, jnp.asarray(features.numpy())[None])
-    j_out, _ = draft.forward(dparams, dcfg, tparams["embed"], tokens, hidden, positions,
-                             draft.init_cache(dcfg, 1, VERIFY_TOKENS))
+    j_out, _ = draft.forward(
+        dparams, dcfg, tparams["embed"], tokens, hidden, positions, draft.init_cache(dcfg, 1, VERIFY_TOKENS)
+    )
     j_logits = draft.logits(dparams, dcfg, j_out, target.output_head(tparams, tcfg))
     report["draft_outputs"] = float(np.abs(np.asarray(j_out[0]) - t_out.numpy()).max())
     report["draft_logits"] = float(np.abs(np.asarray(j_logits[0]) - t_logits.numpy()).max())

@@ -30,8 +30,19 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 SUPPORTED_ARCHITECTURES = ("llama",)
-SUPPORTED_TYPES = (QType.F32, QType.F16, QType.BF16, QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
-                   QType.Q4_K, QType.Q5_K, QType.Q6_K)
+SUPPORTED_TYPES = (
+    QType.F32,
+    QType.F16,
+    QType.BF16,
+    QType.Q8_0,
+    QType.Q4_0,
+    QType.Q4_1,
+    QType.Q5_0,
+    QType.Q5_1,
+    QType.Q4_K,
+    QType.Q5_K,
+    QType.Q6_K,
+)
 
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_TENSORS = {
@@ -77,13 +88,16 @@ def _open(path: Path) -> gguf.GGUFReader:
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
-        raise EagleError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
-                         "pass a llama.cpp .gguf model file")
+        raise EagleError(
+            f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF'); pass a llama.cpp .gguf model file"
+        )
     try:
         return gguf.GGUFReader(path)
     except (ValueError, IndexError, KeyError, OverflowError) as exc:
-        raise EagleError(f"{path}: unreadable GGUF file, truncated or corrupt ({files.first_line(exc)}); "
-                         "download or convert it again") from None
+        raise EagleError(
+            f"{path}: unreadable GGUF file, truncated or corrupt ({files.first_line(exc)}); "
+            "download or convert it again"
+        ) from None
 
 
 def _meta(reader: gguf.GGUFReader, key: str) -> Any:
@@ -100,18 +114,24 @@ def _f32(x: float) -> float:
 def _check_llama_file(reader: gguf.GGUFReader, path: Path) -> None:
     arch = _meta(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise EagleError(f"{path}: architecture {arch!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}); convert the original Hugging Face checkpoint instead")
+        raise EagleError(
+            f"{path}: architecture {arch!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}); convert the original Hugging Face checkpoint instead"
+        )
     if "tokenizer.ggml.tokens" not in reader.fields:
-        raise EagleError(f"{path}: no tokenizer in the metadata (tokenizer.ggml.tokens is missing); use a GGUF file "
-                         "that carries its vocabulary, as llama.cpp's convert_hf_to_gguf.py writes")
+        raise EagleError(
+            f"{path}: no tokenizer in the metadata (tokenizer.ggml.tokens is missing); use a GGUF file "
+            "that carries its vocabulary, as llama.cpp's convert_hf_to_gguf.py writes"
+        )
 
 
 def _required(reader: gguf.GGUFReader, path: Path, key: str) -> Any:
     value = _meta(reader, f"llama.{key}")
     if value is None:
-        raise EagleError(f"{path}: metadata key llama.{key} is missing; the file is incomplete, "
-                         "convert it again with llama.cpp's convert_hf_to_gguf.py")
+        raise EagleError(
+            f"{path}: metadata key llama.{key} is missing; the file is incomplete, "
+            "convert it again with llama.cpp's convert_hf_to_gguf.py"
+        )
     return value
 
 
@@ -143,17 +163,22 @@ def llama3_rope_factors(rope_scaling: dict, head_dim: int, theta: float) -> np.n
 def _llama3_rope_scaling(path: Path, factors: np.ndarray, head_dim: int, theta: float) -> dict:
     """Llama 3's `rope_scaling` from llama.cpp's `rope_freqs`, refused unless it reproduces them."""
     if factors.shape != (head_dim // 2,):
-        raise EagleError(f"{path}: tensor {_ROPE_FREQS} has shape {list(factors.shape)}, expected [{head_dim // 2}] "
-                         "(head_dim / 2); the file is inconsistent, convert it again")
+        raise EagleError(
+            f"{path}: tensor {_ROPE_FREQS} has shape {list(factors.shape)}, expected [{head_dim // 2}] "
+            "(head_dim / 2); the file is inconsistent, convert it again"
+        )
     scaling = {"rope_type": "llama3", "factor": _f32(factors.max()), **_LLAMA3_ROPE}
     if not np.allclose(factors, llama3_rope_factors(scaling, head_dim, theta), rtol=1e-5, atol=0):
-        raise EagleError(f"{path}: tensor {_ROPE_FREQS} is not Llama 3 rope scaling with factor {scaling['factor']} "
-                         f"and {_LLAMA3_ROPE}; convert the original Hugging Face checkpoint instead")
+        raise EagleError(
+            f"{path}: tensor {_ROPE_FREQS} is not Llama 3 rope scaling with factor {scaling['factor']} "
+            f"and {_LLAMA3_ROPE}; convert the original Hugging Face checkpoint instead"
+        )
     return scaling
 
 
-def _rope_scaling(reader: gguf.GGUFReader, path: Path, freq_factors: np.ndarray | None, head_dim: int,
-                  theta: float) -> dict | None:
+def _rope_scaling(
+    reader: gguf.GGUFReader, path: Path, freq_factors: np.ndarray | None, head_dim: int, theta: float
+) -> dict | None:
     if freq_factors is not None:
         return _llama3_rope_scaling(path, freq_factors, head_dim, theta)
     kind = _meta(reader, "llama.rope.scaling.type")
@@ -161,8 +186,10 @@ def _rope_scaling(reader: gguf.GGUFReader, path: Path, freq_factors: np.ndarray 
         return None
     if kind == "linear":
         return {"rope_type": "linear", "factor": _f32(_required(reader, path, "rope.scaling.factor"))}
-    raise EagleError(f"{path}: llama.rope.scaling.type {kind!r} is not supported (supported: none, linear, and "
-                     f"Llama 3 scaling stored as {_ROPE_FREQS}); convert the original Hugging Face checkpoint instead")
+    raise EagleError(
+        f"{path}: llama.rope.scaling.type {kind!r} is not supported (supported: none, linear, and "
+        f"Llama 3 scaling stored as {_ROPE_FREQS}); convert the original Hugging Face checkpoint instead"
+    )
 
 
 def _config(reader: gguf.GGUFReader, path: Path, tied: bool, freq_factors: np.ndarray | None) -> dict:
@@ -175,8 +202,10 @@ def _config(reader: gguf.GGUFReader, path: Path, tied: bool, freq_factors: np.nd
     head_dim = int(key_length) if key_length is not None else hidden // heads
     rotary = _meta(reader, "llama.rope.dimension_count")
     if rotary is not None and rotary != head_dim:
-        raise EagleError(f"{path}: llama.rope.dimension_count is {rotary} but the head dimension is {head_dim} "
-                         "(partial rotary embeddings are not supported)")
+        raise EagleError(
+            f"{path}: llama.rope.dimension_count is {rotary} but the head dimension is {head_dim} "
+            "(partial rotary embeddings are not supported)"
+        )
     theta = _f32(_meta(reader, "llama.rope.freq_base") or 10000.0)
     config |= {
         "num_key_value_heads": int(kv_heads) if kv_heads is not None else heads,
@@ -201,8 +230,11 @@ def _config(reader: gguf.GGUFReader, path: Path, tied: bool, freq_factors: np.nd
 def _hf_names(num_layers: int, tied: bool) -> dict[str, str]:
     """GGUF tensor name -> HF tensor name, for every tensor a llama file holds (`output` only when untied)."""
     names = {f"{g}.weight": f"{h}.weight" for g, h in _GLOBAL_TENSORS.items() if not (tied and g == "output")}
-    names |= {f"blk.{i}.{g}.weight": f"model.layers.{i}.{h}.weight"
-              for i in range(num_layers) for g, h in _LAYER_TENSORS.items()}
+    names |= {
+        f"blk.{i}.{g}.weight": f"model.layers.{i}.{h}.weight"
+        for i in range(num_layers)
+        for g, h in _LAYER_TENSORS.items()
+    }
     return names
 
 
@@ -212,10 +244,18 @@ def _hf_shape(hf_name: str, config: dict) -> tuple[int, ...]:
     head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     return {
-        "embed_tokens": (vocab, hidden), "lm_head": (vocab, hidden), "norm": (hidden,),
-        "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
-        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden), "o_proj": (hidden, q),
-        "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter),
+        "embed_tokens": (vocab, hidden),
+        "lm_head": (vocab, hidden),
+        "norm": (hidden,),
+        "input_layernorm": (hidden,),
+        "post_attention_layernorm": (hidden,),
+        "q_proj": (q, hidden),
+        "k_proj": (kv, hidden),
+        "v_proj": (kv, hidden),
+        "o_proj": (hidden, q),
+        "gate_proj": (inter, hidden),
+        "up_proj": (inter, hidden),
+        "down_proj": (hidden, inter),
     }[hf_name.split(".")[-2]]
 
 
@@ -227,24 +267,30 @@ def _shape(t: gguf.ReaderTensor) -> tuple[int, ...]:
 def _check_types(path: Path, tensors: dict[str, gguf.ReaderTensor]) -> None:
     for name, t in tensors.items():
         if t.tensor_type not in SUPPORTED_TYPES:
-            raise EagleError(f"{path}: tensor {name} has type {t.tensor_type.name}, which is not supported "
-                             f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)}); use a file quantised "
-                             "to one of those")
+            raise EagleError(
+                f"{path}: tensor {name} has type {t.tensor_type.name}, which is not supported "
+                f"(supported: {', '.join(q.name for q in SUPPORTED_TYPES)}); use a file quantised "
+                "to one of those"
+            )
 
 
 def _check_tensors(path: Path, tensors: dict[str, gguf.ReaderTensor], names: dict[str, str], config: dict) -> None:
     """Every expected tensor present with its HF shape, and nothing else."""
     for name in tensors:
         if name not in names and name != _ROPE_FREQS:
-            raise EagleError(f"{path}: tensor {name} has no counterpart in a Hugging Face LlamaForCausalLM; "
-                             "only plain Llama models are supported")
+            raise EagleError(
+                f"{path}: tensor {name} has no counterpart in a Hugging Face LlamaForCausalLM; "
+                "only plain Llama models are supported"
+            )
     for name, hf_name in names.items():
         if name not in tensors:
             raise EagleError(f"{path}: tensor {name} is missing; the file is incomplete, convert it again")
         shape, expected = _shape(tensors[name]), _hf_shape(hf_name, config)
         if shape != expected:
-            raise EagleError(f"{path}: tensor {name} has shape {list(shape)}, but the metadata implies "
-                             f"{list(expected)}; the file is inconsistent, convert it again")
+            raise EagleError(
+                f"{path}: tensor {name} has shape {list(shape)}, but the metadata implies "
+                f"{list(expected)}; the file is inconsistent, convert it again"
+            )
 
 
 def _dequantise(t: gguf.ReaderTensor) -> np.ndarray:

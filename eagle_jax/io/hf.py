@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from tqdm import tqdm
@@ -22,7 +22,12 @@ from eagle_jax.models import target as target_model
 from eagle_jax.models.config import TargetConfig, target_config_from_hf
 from eagle_jax.models.params import check_against_specs, describe_mismatch, flatten, unflatten
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def load_target_config(model_dir: str | Path) -> TargetConfig:
@@ -46,7 +51,8 @@ def _torch_load(path: Path) -> dict[str, np.ndarray]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises many types for corrupt pickles
         raise EagleError(
-            f"{path}: cannot read torch checkpoint ({type(exc).__name__}: {files.first_line(exc)}); the file may be truncated"
+            f"{path}: cannot read torch checkpoint ({type(exc).__name__}: {files.first_line(exc)}); "
+            "the file may be truncated"
         ) from None
     out = {}
     for name, t in state.items():
@@ -64,7 +70,7 @@ def _safetensors_load(path: Path) -> dict[str, np.ndarray]:
 
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
     except (SafetensorError, OSError, ValueError) as exc:
         raise EagleError(
             f"{path}: cannot read safetensors file ({files.first_line(exc)}); the file may be truncated"
@@ -128,7 +134,7 @@ class _Source:
 
     def read(self, x: np.ndarray) -> np.ndarray:
         if self.rows is not None:
-            x = x[..., self.rows[0]:self.rows[1], :]
+            x = x[..., self.rows[0] : self.rows[1], :]
         return np.swapaxes(x, -1, -2) if self.transposed else x
 
     def write(self, x: np.ndarray) -> np.ndarray:
@@ -202,8 +208,7 @@ def target_hf_names(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> list[str
     return list(target_hf_shapes(cfg, layout))
 
 
-def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig, where: str,
-                               dtype=None) -> dict:
+def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig, where: str, dtype=None) -> dict:
     """Map HF tensors onto the target parameter tree, checking every name and shape first."""
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
@@ -252,8 +257,15 @@ def target_tensors(params: dict, cfg: TargetConfig) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(v) for k, v in out.items()}
 
 
-def save_target(out: str | Path, params: dict, cfg: TargetConfig, config: dict, generation_config: dict | None = None,
-                extra_files: dict[str, str] | None = None, overwrite: bool = False) -> Path:
+def save_target(
+    out: str | Path,
+    params: dict,
+    cfg: TargetConfig,
+    config: dict,
+    generation_config: dict | None = None,
+    extra_files: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write an HF folder (config.json, generation_config.json, model.safetensors, `extra_files` name -> text)
     that transformers and `load_target` read; it appears complete or not at all."""
     from safetensors.numpy import save_file

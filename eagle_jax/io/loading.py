@@ -42,8 +42,9 @@ def target_config(path: str | Path) -> TargetConfig:
     return hf.load_target_config(path)
 
 
-def load_target(path: str | Path, dtype: Any = None, mesh: Mesh | None = None,
-                progress: bool = False) -> tuple[TargetConfig, PyTree]:
+def load_target(
+    path: str | Path, dtype: Any = None, mesh: Mesh | None = None, progress: bool = False
+) -> tuple[TargetConfig, PyTree]:
     """(config, parameters) of a target; dtype None keeps the stored one."""
     if mesh is not None:
         sharding.check_mesh(mesh, target_config(path))
@@ -65,8 +66,9 @@ def holds_draft(path: str | Path) -> bool:
     return store.is_store(path) and store.read_manifest(path).draft_config is not None
 
 
-def load_draft(path: str | Path, target: TargetConfig, kind: str | None = None, dtype: Any = None,
-               mesh: Mesh | None = None) -> tuple[DraftConfig, PyTree]:
+def load_draft(
+    path: str | Path, target: TargetConfig, kind: str | None = None, dtype: Any = None, mesh: Mesh | None = None
+) -> tuple[DraftConfig, PyTree]:
     """(config, parameters) of a draft head checked to fit `target`; `kind` asserts eagle1/eagle3."""
     if store.is_store(path):
         if mesh is not None:

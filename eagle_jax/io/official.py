@@ -73,8 +73,10 @@ def params_from_tensors(tensors: dict[str, np.ndarray], c: DraftConfig, where: s
     """Official head tensors -> our parameter tree; every key and shape checked first."""
     names = official_names(c)
     specs = flatten(draft.param_specs(c))
-    expected = {theirs: specs[ours].shape[::-1] if transpose else specs[ours].shape
-                for ours, (theirs, transpose) in names.items()}
+    expected = {
+        theirs: specs[ours].shape[::-1] if transpose else specs[ours].shape
+        for ours, (theirs, transpose) in names.items()
+    }
     present = {k: np.shape(v) for k, v in tensors.items() if k not in IGNORED_KEYS}
     problem = describe_mismatch(expected, present)
     if problem:
@@ -103,8 +105,9 @@ def tensors_from_params(params: dict, c: DraftConfig) -> dict[str, np.ndarray]:
     return out
 
 
-def load_head(head_dir: str | Path, target: TargetConfig, kind: str | None = None,
-              dtype=None) -> tuple[DraftConfig, dict]:
+def load_head(
+    head_dir: str | Path, target: TargetConfig, kind: str | None = None, dtype=None
+) -> tuple[DraftConfig, dict]:
     """(config, host parameters) of an official head folder, checked to fit `target`.
 
     The kind is detected from the keys; `kind` asserts it (a mismatch is an error).
@@ -136,8 +139,11 @@ def official_config(dcfg: DraftConfig, tcfg: TargetConfig) -> dict:
     if rope.rope_type != "default":
         rope_scaling = {"rope_type": rope.rope_type, "factor": rope.factor}
         if rope.rope_type == "llama3":
-            rope_scaling.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                                original_max_position_embeddings=rope.original_max_position_embeddings)
+            rope_scaling.update(
+                low_freq_factor=rope.low_freq_factor,
+                high_freq_factor=rope.high_freq_factor,
+                original_max_position_embeddings=rope.original_max_position_embeddings,
+            )
     eos = list(tcfg.eos_token_ids)
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],

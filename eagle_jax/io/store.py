@@ -35,8 +35,13 @@ from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 from eagle_jax.models import draft as draft_model
 from eagle_jax.models import target as target_model
-from eagle_jax.models.config import (DraftConfig, TargetConfig, check_draft_fits, draft_config_from_hf,
-                                     target_config_from_hf)
+from eagle_jax.models.config import (
+    DraftConfig,
+    TargetConfig,
+    check_draft_fits,
+    draft_config_from_hf,
+    target_config_from_hf,
+)
 from eagle_jax.models.params import check_against_specs, is_spec, map_specs, with_dtype
 from eagle_jax.parallel import sharding
 
@@ -139,8 +144,14 @@ def _nbytes(params: PyTree) -> int:
     return sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
-def save(out: str | Path, target: TargetPart | None = None, draft: DraftPart | None = None,
-         tokenizer_from: str | Path | None = None, overwrite: bool = False, progress: bool = True) -> Path:
+def save(
+    out: str | Path,
+    target: TargetPart | None = None,
+    draft: DraftPart | None = None,
+    tokenizer_from: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Write a store; parameters are checked against their configs first.
 
     The store is written next to `out` and renamed into place, so `out` is never half-written.
@@ -169,11 +180,22 @@ def save(out: str | Path, target: TargetPart | None = None, draft: DraftPart | N
         target_dtype=_float_dtype(target.params) if target else None,
         draft_dtype=_float_dtype(draft.params) if draft else None,
     )
-    tokenizer_files = [Path(tokenizer_from) / f for f in TOKENIZER_FILES
-                       if tokenizer_from is not None and (Path(tokenizer_from) / f).is_file()]
-    with files.new_directory(out, overwrite) as tmp, _checkpointer() as ckpt, tqdm(
-            total=sum(_nbytes(p) for p in parts.values()), unit="B", unit_scale=True, desc=f"saving {out.name}",
-            disable=not progress) as bar:
+    tokenizer_files = [
+        Path(tokenizer_from) / f
+        for f in TOKENIZER_FILES
+        if tokenizer_from is not None and (Path(tokenizer_from) / f).is_file()
+    ]
+    with (
+        files.new_directory(out, overwrite) as tmp,
+        _checkpointer() as ckpt,
+        tqdm(
+            total=sum(_nbytes(p) for p in parts.values()),
+            unit="B",
+            unit_scale=True,
+            desc=f"saving {out.name}",
+            disable=not progress,
+        ) as bar,
+    ):
         for name, params in parts.items():
             bar.set_postfix_str(name)
             ckpt.save(tmp / name, args=ocp.args.StandardSave(params))
@@ -186,8 +208,14 @@ def save(out: str | Path, target: TargetPart | None = None, draft: DraftPart | N
     return out
 
 
-def save_draft(out: str | Path, config: dict, params: PyTree, kind: str | None = None,
-               overwrite: bool = True, progress: bool = False) -> Path:
+def save_draft(
+    out: str | Path,
+    config: dict,
+    params: PyTree,
+    kind: str | None = None,
+    overwrite: bool = True,
+    progress: bool = False,
+) -> Path:
     """Save a draft head alone (e.g. from a training run). kind defaults to the one its parameters imply."""
     kind = kind or ("eagle3" if "lm_head" in params else "eagle1")
     return save(out, draft=DraftPart(config, kind, jax.device_get(params)), overwrite=overwrite, progress=progress)
@@ -204,8 +232,9 @@ def _restore(path: Path, specs: PyTree, shardings: PyTree | None) -> PyTree:
     if not path.is_dir():
         raise EagleError(f"{path}: checkpoint directory not found")
     shardings = shardings if shardings is not None else map_specs(lambda _: None, specs)
-    abstract = jax.tree.map(lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), specs, shardings,
-                            is_leaf=is_spec)
+    abstract = jax.tree.map(
+        lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), specs, shardings, is_leaf=is_spec
+    )
 
     with _checkpointer() as ckpt, _quiet_orbax():
         try:
@@ -213,7 +242,9 @@ def _restore(path: Path, specs: PyTree, shardings: PyTree | None) -> PyTree:
         except Exception as exc:  # orbax raises several types for unreadable metadata
             raise EagleError(f"{path}: not a readable orbax checkpoint ({_failure(exc)})") from None
         if stored is None:
-            raise EagleError(f"{path}: not a readable orbax checkpoint (no array metadata); the store may be incomplete")
+            raise EagleError(
+                f"{path}: not a readable orbax checkpoint (no array metadata); the store may be incomplete"
+            )
         check_against_specs(stored.tree, specs, f"{path}: parameters do not match the config")
         try:
             return ckpt.restore(path, args=ocp.args.StandardRestore(abstract))
@@ -246,8 +277,13 @@ def draft_config(path: str | Path) -> DraftConfig:
     return draft_config_from_hf(m.draft_config, m.draft_kind)
 
 
-def load_draft_store(path: str | Path, target: TargetConfig | None = None, kind: str | None = None,
-                     dtype: Any = None, mesh: Mesh | None = None) -> tuple[DraftConfig, PyTree]:
+def load_draft_store(
+    path: str | Path,
+    target: TargetConfig | None = None,
+    kind: str | None = None,
+    dtype: Any = None,
+    mesh: Mesh | None = None,
+) -> tuple[DraftConfig, PyTree]:
     """(config, params) of a store's draft head, checked to fit `target` when given.
 
     `kind` forces the head kind (a mismatch with the stored kind is an error).
@@ -255,8 +291,9 @@ def load_draft_store(path: str | Path, target: TargetConfig | None = None, kind:
     path = Path(path)
     cfg = draft_config(path)
     if kind is not None and kind != cfg.kind:
-        raise EagleError(f"{path}: this is an {cfg.kind.upper()} head but {kind.upper()} was requested; "
-                         "drop the override")
+        raise EagleError(
+            f"{path}: this is an {cfg.kind.upper()} head but {kind.upper()} was requested; drop the override"
+        )
     if target is not None:
         check_draft_fits(cfg, target, str(path))
     specs = _in_dtype(draft_model.param_specs(cfg), dtype, read_manifest(path).draft_dtype)

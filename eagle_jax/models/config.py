@@ -89,9 +89,7 @@ def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     field = "rope_parameters" if params else "rope_scaling"
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise EagleError(
-            f"{field}.rope_type={rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})"
-        )
+        raise EagleError(f"{field}.rope_type={rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
     for key in ("attention_factor", "beta_fast", "beta_slow", "mrope_section"):
         if merged.get(key) is not None:
             raise EagleError(f"{field}.{key} is not supported by rope_type {rope_type!r}")
@@ -105,9 +103,7 @@ def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
         factor=float(merged.get("factor", 1.0)),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings", max_pos)
-        ),
+        original_max_position_embeddings=int(merged.get("original_max_position_embeddings", max_pos)),
         max_position_embeddings=max_pos,
     )
 
@@ -266,7 +262,9 @@ def draft_config_from_hf(cfg: dict[str, Any], kind: str) -> DraftConfig:
 def eagle3_head_like(target: TargetConfig, draft_vocab_size: int) -> DraftConfig:
     """A one-layer EAGLE-3 head shaped like a target layer (hidden, heads, kv heads, MLP, rope)."""
     if not 0 < draft_vocab_size <= target.vocab_size:
-        raise EagleError(f"draft vocabulary size {draft_vocab_size} must be in 1..{target.vocab_size} (the target vocabulary)")
+        raise EagleError(
+            f"draft vocabulary size {draft_vocab_size} must be in 1..{target.vocab_size} (the target vocabulary)"
+        )
     return DraftConfig(
         kind="eagle3",
         hidden_size=target.hidden_size,

@@ -44,8 +44,9 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
-def write(cache_k: jax.Array, cache_v: jax.Array, layer: int | jax.Array, slots: jax.Array,
-          k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+def write(
+    cache_k: jax.Array, cache_v: jax.Array, layer: int | jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Scatter new entries k, v [B, T, KV, D] into layer `layer` at per-row slots [B, T]."""
     rows = jnp.arange(k.shape[0])[:, None]
     cache_k = cache_k.at[layer, rows, slots].set(k.astype(cache_k.dtype), mode="drop")

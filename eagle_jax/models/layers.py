@@ -32,9 +32,9 @@ def inv_frequencies(rope: RopeConfig, head_dim: int, positions: jax.Array) -> ja
         return inv / rope.factor
     if rope.rope_type == "dynamic":
         seq_len = jnp.maximum(jnp.max(positions) + 1, rope.max_position_embeddings).astype(jnp.float32)
-        base = rope.theta * (
-            (rope.factor * seq_len / rope.max_position_embeddings) - (rope.factor - 1)
-        ) ** (head_dim / (head_dim - 2))
+        base = rope.theta * ((rope.factor * seq_len / rope.max_position_embeddings) - (rope.factor - 1)) ** (
+            head_dim / (head_dim - 2)
+        )
         return 1.0 / (base**exponent)
     if rope.rope_type == "llama3":
         old_ctx = rope.original_max_position_embeddings

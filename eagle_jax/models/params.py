@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -70,7 +71,9 @@ def init_params(specs: PyTree, key: jax.Array) -> PyTree:
     return jax.tree.unflatten(treedef, [make(s, k) for s, k in zip(leaves, keys)])
 
 
-def describe_mismatch(expected: dict[str, tuple[int, ...]], actual: dict[str, tuple[int, ...]], limit: int = 6) -> str | None:
+def describe_mismatch(
+    expected: dict[str, tuple[int, ...]], actual: dict[str, tuple[int, ...]], limit: int = 6
+) -> str | None:
     """One line naming missing, unexpected and mis-shaped entries (name -> shape), or None if they agree."""
 
     def listed(items: list[str]) -> str:
@@ -83,8 +86,11 @@ def describe_mismatch(expected: dict[str, tuple[int, ...]], actual: dict[str, tu
         for k in sorted(set(expected) & set(actual))
         if tuple(actual[k]) != tuple(expected[k])
     ]
-    parts = [f"{what} {listed(items)}" for what, items in
-             (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if items]
+    parts = [
+        f"{what} {listed(items)}"
+        for what, items in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped))
+        if items
+    ]
     return "; ".join(parts) or None
 
 

@@ -8,7 +8,7 @@ the tree mask during verification).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -106,8 +106,9 @@ def causal_mask(batch: int, t: int) -> jax.Array:
     return jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (batch, t, t))
 
 
-def _attention(p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v,
-               layer, slots, mask, span: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _attention(
+    p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v, layer, slots, mask, span: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -185,8 +186,9 @@ def forward(
     return TargetOutput(logits, hidden, features, dataclasses.replace(cache, k=ck, v=cv))
 
 
-def prefill(params: dict, cfg: TargetConfig, tokens: jax.Array, capacity: int,
-            feature_layers: Sequence[int] = ()) -> TargetOutput:
+def prefill(
+    params: dict, cfg: TargetConfig, tokens: jax.Array, capacity: int, feature_layers: Sequence[int] = ()
+) -> TargetOutput:
     """Causal forward of prompts [B, P] from position 0 into a fresh cache of `capacity` slots.
 
     Attention spans the P prompt slots only (P x P, not P x capacity). Lengths stay 0: the caller
@@ -194,5 +196,13 @@ def prefill(params: dict, cfg: TargetConfig, tokens: jax.Array, capacity: int,
     """
     b, p = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    return forward(params, cfg, tokens, positions, init_cache(cfg, b, capacity, params["embed"].dtype),
-                   feature_layers=feature_layers, compute_logits=False, span=p)
+    return forward(
+        params,
+        cfg,
+        tokens,
+        positions,
+        init_cache(cfg, b, capacity, params["embed"].dtype),
+        feature_layers=feature_layers,
+        compute_logits=False,
+        span=p,
+    )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 import jax
 
@@ -64,8 +64,10 @@ def detect(env: Mapping[str, str] | None = None) -> Launch | None:
             raise EagleError(f"PROCESS_ID={i} must lie in [0, NUM_PROCESSES={n})")
         if n == 1:
             return None
-        return Launch(f"COORDINATOR_ADDRESS with {n} processes",
-                      {"coordinator_address": env["COORDINATOR_ADDRESS"], "num_processes": n, "process_id": i})
+        return Launch(
+            f"COORDINATOR_ADDRESS with {n} processes",
+            {"coordinator_address": env["COORDINATOR_ADDRESS"], "num_processes": n, "process_id": i},
+        )
     if "JAX_COORDINATOR_ADDRESS" in env:
         return Launch("JAX_COORDINATOR_ADDRESS", {})
     for name in ("TPU_PROCESS_ADDRESSES", "TPU_WORKER_HOSTNAMES"):

@@ -14,7 +14,8 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -36,8 +37,11 @@ class Tpu:
     chips_per_host: tuple[int, int, int]
 
 
-TPUS = (Tpu("v5e-8", 8, 16, "v5litepod-8", "v5e:2x4", (2, 4, 1)), Tpu("v5p-8", 4, 95, "v5p-8", "v5p:2x2x1", (2, 2, 1)),
-        Tpu("v6e-8", 8, 32, "v6e-8", "v6e:2x4", (2, 4, 1)))
+TPUS = (
+    Tpu("v5e-8", 8, 16, "v5litepod-8", "v5e:2x4", (2, 4, 1)),
+    Tpu("v5p-8", 4, 95, "v5p-8", "v5p:2x2x1", (2, 2, 1)),
+    Tpu("v6e-8", 8, 32, "v6e-8", "v6e:2x4", (2, 4, 1)),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,15 +84,22 @@ def tpu_devices(tpu: Tpu) -> list:
     try:
         import libtpu  # noqa: F401
     except ImportError:
-        raise EagleError(f"--tpu {tpu.name} compiles with libtpu, which is not installed; install the version "
-                         "your jax pins (pip install 'jax[tpu]'), or plan on virtual CPU devices without --tpu") from None
+        raise EagleError(
+            f"--tpu {tpu.name} compiles with libtpu, which is not installed; install the version "
+            "your jax pins (pip install 'jax[tpu]'), or plan on virtual CPU devices without --tpu"
+        ) from None
     jax.config.update("jax_platforms", "cpu")
     # a host without a TPU: tell libtpu not to look for one (else it warns about each missing variable)
-    for name, value in (("TPU_SKIP_MDS_QUERY", "1"), ("TPU_ACCELERATOR_TYPE", tpu.accelerator), ("TPU_WORKER_ID", "0"),
-                        ("TPU_WORKER_HOSTNAMES", "localhost")):
+    for name, value in (
+        ("TPU_SKIP_MDS_QUERY", "1"),
+        ("TPU_ACCELERATOR_TYPE", tpu.accelerator),
+        ("TPU_WORKER_ID", "0"),
+        ("TPU_WORKER_HOSTNAMES", "localhost"),
+    ):
         os.environ.setdefault(name, value)
-    return topologies.get_topology_desc(topology_name=tpu.topology, platform="tpu",
-                                        chips_per_host_bounds=tpu.chips_per_host).devices
+    return topologies.get_topology_desc(
+        topology_name=tpu.topology, platform="tpu", chips_per_host_bounds=tpu.chips_per_host
+    ).devices
 
 
 # ---------------------------------------------------------------- accounting
@@ -106,8 +117,9 @@ def device_bytes(tree: PyTree) -> int:
 
 def abstract(specs_or_shapes: PyTree, shardings: PyTree) -> PyTree:
     """ParamSpecs or ShapeDtypeStructs + NamedShardings -> sharded ShapeDtypeStructs (no memory)."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), specs_or_shapes, shardings,
-                        is_leaf=is_spec)
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), specs_or_shapes, shardings, is_leaf=is_spec
+    )
 
 
 # XLA:CPU has no bf16 matmul: it converts bf16 weights to f32 and, by default, hoists those converts out of
@@ -151,8 +163,11 @@ def fits(plan: Plan, tpus: Sequence[Tpu] = TPUS) -> list[str]:
     for tpu in tpus:
         spare = tpu.hbm_gib * GiB - plan.peak
         verdict = f"fits, {spare / GiB:.1f} GiB spare" if spare >= 0 else f"does not fit, {-spare / GiB:.1f} GiB short"
-        note = (f" (the slice has {tpu.chips} devices, this plan {plan.devices}: plan it with --devices {tpu.chips})"
-                if tpu.chips != plan.devices else "")
+        note = (
+            f" (the slice has {tpu.chips} devices, this plan {plan.devices}: plan it with --devices {tpu.chips})"
+            if tpu.chips != plan.devices
+            else ""
+        )
         lines.append(f"  TPU {tpu.name:6s} {tpu.chips} x {tpu.hbm_gib:g} GiB: {verdict}{note}")
     return lines
 

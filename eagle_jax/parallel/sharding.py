@@ -7,7 +7,8 @@ them onto the mesh axes `data`, `fsdp`, `tensor`.
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -137,8 +138,9 @@ def _fit(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpec
     return PartitionSpec(*out)
 
 
-def logical_sharding(shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh,
-                     rules: Mapping[str, Any] = LOGICAL_RULES) -> NamedSharding:
+def logical_sharding(
+    shape: Sequence[int], axes: Sequence[str | None], mesh: Mesh, rules: Mapping[str, Any] = LOGICAL_RULES
+) -> NamedSharding:
     return NamedSharding(mesh, _fit(shape, partition_spec(axes, rules), mesh))
 
 
@@ -160,14 +162,23 @@ def put(x: Any, sharding: NamedSharding) -> jax.Array:
 
 def target_dims(tcfg: TargetConfig) -> dict[str, int]:
     """Sizes of the target's split logical axes."""
-    return {"heads": tcfg.num_heads, "kv_heads": tcfg.num_kv_heads, "mlp": tcfg.intermediate_size,
-            "vocab": tcfg.vocab_size, "embed": tcfg.hidden_size}
+    return {
+        "heads": tcfg.num_heads,
+        "kv_heads": tcfg.num_kv_heads,
+        "mlp": tcfg.intermediate_size,
+        "vocab": tcfg.vocab_size,
+        "embed": tcfg.hidden_size,
+    }
 
 
 def draft_dims(dcfg: DraftConfig) -> dict[str, int]:
     """Sizes of the draft head's split logical axes."""
-    dims = {"heads": dcfg.num_heads, "kv_heads": dcfg.num_kv_heads, "mlp": dcfg.intermediate_size,
-            "embed": dcfg.hidden_size}
+    dims = {
+        "heads": dcfg.num_heads,
+        "kv_heads": dcfg.num_kv_heads,
+        "mlp": dcfg.intermediate_size,
+        "embed": dcfg.hidden_size,
+    }
     return {**dims, "draft_vocab": dcfg.draft_vocab_size} if dcfg.kind == "eagle3" else dims
 
 

@@ -25,7 +25,9 @@ def manager(directory: str | Path, keep: int) -> ocp.CheckpointManager:
 
 def save(mgr: ocp.CheckpointManager, step: int, state: PyTree, meta: dict) -> None:
     """Start saving `state` at `step` (asynchronous after the device-to-host copy)."""
-    mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+    mgr.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
+    )
 
 
 def restore_latest(mgr: ocp.CheckpointManager, abstract_state: PyTree) -> tuple[PyTree, dict] | None:

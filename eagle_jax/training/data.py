@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -56,7 +57,7 @@ class DataStats:
     tokens: int = 0
     loss_tokens: int = 0
 
-    def __add__(self, other: "DataStats") -> "DataStats":
+    def __add__(self, other: DataStats) -> DataStats:
         return DataStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
     def summary(self) -> str:
@@ -82,7 +83,9 @@ def read_records(path: str | Path) -> tuple[list[Any], int]:
         try:
             return datasets.Dataset.from_parquet(str(path)).to_list(), 0
         except Exception as exc:  # pyarrow raises many types for broken files
-            raise EagleError(f"{path}: cannot read parquet file ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+            raise EagleError(
+                f"{path}: cannot read parquet file ({type(exc).__name__}: {exc})".splitlines()[0]
+            ) from None
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -94,7 +97,9 @@ def read_records(path: str | Path) -> tuple[list[Any], int]:
         return _read_array(text, start + 1, path)
     if text[start] == "{":
         return _read_lines(text, start, path)
-    raise EagleError(f"{path}: expected a JSON array or JSON Lines of conversation objects, found {text[start]!r} first")
+    raise EagleError(
+        f"{path}: expected a JSON array or JSON Lines of conversation objects, found {text[start]!r} first"
+    )
 
 
 def _skip_space(text: str, i: int, also: str = "") -> int:
@@ -117,7 +122,9 @@ def _read_array(text: str, i: int, path: Path) -> tuple[list[Any], int]:
             record, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError as exc:
             if text.rstrip().endswith("]"):
-                raise EagleError(f"{path}: record {len(records)}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+                raise EagleError(
+                    f"{path}: record {len(records)}: not valid JSON ({exc.msg} at line {exc.lineno})"
+                ) from None
             return records, 1
         records.append(record)
 
@@ -133,7 +140,9 @@ def _read_lines(text: str, i: int, path: Path) -> tuple[list[Any], int]:
             newline = text.find("\n", exc.pos)
             if newline < 0 or _skip_space(text, newline) == len(text):
                 return records, 1
-            raise EagleError(f"{path}: record {len(records)}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+            raise EagleError(
+                f"{path}: record {len(records)}: not valid JSON ({exc.msg} at line {exc.lineno})"
+            ) from None
         records.append(record)
     return records, 0
 
@@ -147,7 +156,9 @@ def messages_of(record: Any, where: str) -> list[dict[str, str]]:
         raise EagleError(f"{where}: expected an object with 'conversations' or 'messages', got {type(record).__name__}")
     turns = record.get("conversations", record.get("messages"))
     if turns is None:
-        raise EagleError(f"{where}: no 'conversations' or 'messages' field (keys: {', '.join(sorted(record)) or 'none'})")
+        raise EagleError(
+            f"{where}: no 'conversations' or 'messages' field (keys: {', '.join(sorted(record)) or 'none'})"
+        )
     if not isinstance(turns, list):
         raise EagleError(f"{where}: 'conversations'/'messages' must be a list of turns, got {type(turns).__name__}")
     out = []
@@ -174,7 +185,7 @@ def trainable_turns(messages: list[dict[str, str]]) -> tuple[list[dict[str, str]
     cut at the first turn that breaks the alternation, and a trailing user turn is dropped.
     """
     head = messages[:1] if messages and messages[0]["role"] == "system" else []
-    rest = messages[len(head):]
+    rest = messages[len(head) :]
     while rest and rest[0]["role"] == "assistant":
         rest = rest[1:]
     kept: list[dict[str, str]] = []
@@ -241,7 +252,9 @@ def render_with_spans(tokenizer, turns: list[dict[str, str]], where: str) -> tup
         try:
             return tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=prompt)
         except Exception as exc:  # jinja raises TemplateError and arbitrary errors from the template
-            raise EagleError(f"{where}: the chat template failed ({type(exc).__name__}: {exc})".splitlines()[0]) from None
+            raise EagleError(
+                f"{where}: the chat template failed ({type(exc).__name__}: {exc})".splitlines()[0]
+            ) from None
 
     full = render(turns, False)
     spans, cursor = [], 0
@@ -274,7 +287,9 @@ def tokenize_with_mask(tokenizer, texts: list[str], spans: list[list[tuple[int, 
     return out
 
 
-def load_examples(paths: Sequence[str | Path], tokenizer, max_length: int, vocab_size: int) -> tuple[list[Example], DataStats]:
+def load_examples(
+    paths: Sequence[str | Path], tokenizer, max_length: int, vocab_size: int
+) -> tuple[list[Example], DataStats]:
     """Read, template, tokenize and mask every conversation; drop sequences longer than max_length."""
     stats = DataStats()
     examples: list[Example] = []
@@ -310,7 +325,9 @@ def load_examples(paths: Sequence[str | Path], tokenizer, max_length: int, vocab
         )
     top = max(int(ex.input_ids.max()) for ex in examples)
     if top >= vocab_size:
-        raise EagleError(f"the tokenizer produced id {top}, outside the target vocabulary ({vocab_size}); wrong tokenizer?")
+        raise EagleError(
+            f"the tokenizer produced id {top}, outside the target vocabulary ({vocab_size}); wrong tokenizer?"
+        )
     tokens = sum(len(ex.input_ids) for ex in examples)
     loss_tokens = sum(int(ex.loss_mask.sum()) for ex in examples)
     return examples, dataclasses.replace(stats, examples=len(examples), tokens=tokens, loss_tokens=loss_tokens)

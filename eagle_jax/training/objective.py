@@ -32,7 +32,10 @@ VOCAB_MAP_KEYS = ("d2t", "t2d")
 
 
 def target_batch(
-    target_params: dict, tcfg: TargetConfig, input_ids: jax.Array, attention_mask: jax.Array,
+    target_params: dict,
+    tcfg: TargetConfig,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
     feature_layers: tuple[int, ...],
 ) -> tuple[jax.Array, jax.Array]:
     """Frozen target on a right-padded batch [B, T] -> (features [B, T, 3Ht] of the head's
@@ -82,11 +85,12 @@ def position_masks(
     in_vocab = _pad_end(in_vocab, steps, zero_in)  # [B, T + S]
     lm = _pad_end(jnp.asarray(loss_mask, jnp.float32), steps, 0.0)  # [B, T + S]
     t = loss_mask.shape[1]
-    return jnp.stack([in_vocab[:, j + 1: j + 1 + t] * lm[:, j: j + t] for j in range(steps)])
+    return jnp.stack([in_vocab[:, j + 1 : j + 1 + t] * lm[:, j : j + t] for j in range(steps)])
 
 
-def _ttt_attend(q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array,
-                kd: jax.Array, vd: jax.Array, valid: jax.Array) -> jax.Array:
+def _ttt_attend(
+    q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array, kd: jax.Array, vd: jax.Array, valid: jax.Array
+) -> jax.Array:
     """Attention of a step-j query q [B, T, N, D] over the union, under one softmax, of
     - the step-0 keys/values k0, v0 [B, T, KV, D] allowed by mask0 [B, T, T], and
     - the keys/values of steps 1..S at the query's own position, kd, vd [B, S, T, KV, D], where only

@@ -56,19 +56,40 @@ class PretrainConfig:
 def llama_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tok) -> dict:
     """An HF LlamaForCausalLM config.json for a new model with this tokenizer's special ids."""
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "attention_dropout": 0.0,
-        "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
-        "head_dim": hidden // heads, "hidden_act": "silu", "hidden_size": hidden, "initializer_range": 0.02,
-        "intermediate_size": inter, "max_position_embeddings": 2048, "mlp_bias": False,
-        "num_attention_heads": heads, "num_hidden_layers": layers, "num_key_value_heads": kv_heads,
-        "rms_norm_eps": 1e-5, "rope_scaling": None, "rope_theta": 10000.0, "tie_word_embeddings": False,
-        "torch_dtype": "float32", "use_cache": True, "vocab_size": vocab,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": tok.bos_token_id,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+        "head_dim": hidden // heads,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": inter,
+        "max_position_embeddings": 2048,
+        "mlp_bias": False,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-5,
+        "rope_scaling": None,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "use_cache": True,
+        "vocab_size": vocab,
     }
 
 
 def generation_config(config: dict) -> dict:
-    return {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"],
-            "pad_token_id": config["pad_token_id"], "do_sample": False}
+    return {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+    }
 
 
 def tokenizer_texts(folder: str | Path) -> dict[str, str]:
@@ -84,7 +105,7 @@ def token_stream(tok, path: Path | None, max_conversations: int | None) -> np.nd
     texts = [tok.apply_chat_template(c, tokenize=False) for c in convs]
     ids: list[int] = []
     for i in range(0, len(texts), 512):
-        for row in tok(texts[i:i + 512], add_special_tokens=False)["input_ids"]:
+        for row in tok(texts[i : i + 512], add_special_tokens=False)["input_ids"]:
             ids.extend(row)
     return np.asarray(ids, np.int32)
 
@@ -109,10 +130,14 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
     cfg = target_config_from_hf(config)
     specs = target.param_specs(cfg)
     params = init_params(specs, jax.random.key(pc.seed))
-    print(f"model: {param_count(specs) / 1e6:.2f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}",
-          flush=True)
+    print(
+        f"model: {param_count(specs) / 1e6:.2f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}",
+        flush=True,
+    )
     t0 = time.time()
-    stream = token_stream(tok, Path(pc.data) if pc.data else None, pc.max_conversations or (200 if bench_steps else None))
+    stream = token_stream(
+        tok, Path(pc.data) if pc.data else None, pc.max_conversations or (200 if bench_steps else None)
+    )
     T = pc.seq_len
     n_seq = len(stream) // (T + 1)
     seqs = stream[: n_seq * (T + 1)].reshape(n_seq, T + 1)  # [N, T + 1]
@@ -146,7 +171,7 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
         nonlocal order, cursor
         if cursor + pc.batch > len(order):
             order, cursor = rng.permutation(n_seq), 0
-        idx = order[cursor:cursor + pc.batch]
+        idx = order[cursor : cursor + pc.batch]
         cursor += pc.batch
         return jnp.asarray(seqs[idx])
 
@@ -163,16 +188,24 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
     extra = tokenizer_texts(pc.tokenizer)
 
     def save(log: dict) -> None:
-        hf.save_target(pc.out, params, cfg, config, generation_config(config),
-                       {**extra, "training_log.json": json.dumps(log, indent=2) + "\n"}, overwrite=True)
+        hf.save_target(
+            pc.out,
+            params,
+            cfg,
+            config,
+            generation_config(config),
+            {**extra, "training_log.json": json.dumps(log, indent=2) + "\n"},
+            overwrite=True,
+        )
 
     budget_s = pc.minutes * 60 if pc.minutes else None
     start = last_save = time.time()
     history: list[dict] = []
     losses: list[float] = []
     i = 0
-    bar = tqdm(total=pc.steps or int(budget_s), unit="step" if pc.steps else "s", file=sys.stdout, mininterval=10,
-               ncols=100)
+    bar = tqdm(
+        total=pc.steps or int(budget_s), unit="step" if pc.steps else "s", file=sys.stdout, mininterval=10, ncols=100
+    )
     while True:
         elapsed = time.time() - start
         frac = i / pc.steps if pc.steps else elapsed / budget_s
@@ -184,17 +217,36 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
             losses.append(float(loss))
             bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", lr=f"{lr_at(pc, frac):.2e}", step=i)
         if i % 100 == 0:
-            history.append({"step": i, "seconds": round(elapsed, 1), "loss": round(float(np.mean(losses[-10:])), 4),
-                            "tokens": i * pc.batch * T})
+            history.append(
+                {
+                    "step": i,
+                    "seconds": round(elapsed, 1),
+                    "loss": round(float(np.mean(losses[-10:])), 4),
+                    "tokens": i * pc.batch * T,
+                }
+            )
         bar.update(1 if pc.steps else min(time.time() - start, budget_s) - bar.n)
         if time.time() - last_save > pc.save_every * 60:
-            save({"steps": i, "tokens": i * pc.batch * T, "parameters": param_count(specs),
-                  "args": dataclasses.asdict(pc), "history": history})
+            save(
+                {
+                    "steps": i,
+                    "tokens": i * pc.batch * T,
+                    "parameters": param_count(specs),
+                    "args": dataclasses.asdict(pc),
+                    "history": history,
+                }
+            )
             last_save = time.time()
     bar.close()
-    log = {"steps": i, "tokens": i * pc.batch * T, "parameters": param_count(specs), "args": dataclasses.asdict(pc),
-           "seconds": round(time.time() - start, 1), "final_loss": float(np.mean(losses[-10:])) if losses else None,
-           "history": history}
+    log = {
+        "steps": i,
+        "tokens": i * pc.batch * T,
+        "parameters": param_count(specs),
+        "args": dataclasses.asdict(pc),
+        "seconds": round(time.time() - start, 1),
+        "final_loss": float(np.mean(losses[-10:])) if losses else None,
+        "history": history,
+    }
     save(log)
     return log
 
@@ -207,6 +259,6 @@ def export_half(src: str | Path, dst: str | Path) -> Path:
     extra = tokenizer_texts(src)
     if (Path(src) / "training_log.json").is_file():
         extra["training_log.json"] = (Path(src) / "training_log.json").read_text()
-    return hf.save_target(dst, params, cfg, config, files.read_json(gen_path) if gen_path.is_file() else None,
-                          extra, overwrite=True)
-
+    return hf.save_target(
+        dst, params, cfg, config, files.read_json(gen_path) if gen_path.is_file() else None, extra, overwrite=True
+    )

@@ -41,8 +41,9 @@ class RegenerateConfig:
     chat_template: str | None = None  # jinja file, for a tokenizer without a chat template
 
 
-def _generate(params, cfg: TargetConfig, prompts: list[list[int]], rc: RegenerateConfig, seed: int,
-              mesh: Mesh | None = None) -> GenerationResult:
+def _generate(
+    params, cfg: TargetConfig, prompts: list[list[int]], rc: RegenerateConfig, seed: int, mesh: Mesh | None = None
+) -> GenerationResult:
     if mesh is None:
         return plain.generate(params, cfg, prompts, rc.max_new_tokens, rc.sampling, seed=seed)
     return programs.generate_plain(params, cfg, prompts, rc.max_new_tokens, mesh, rc.sampling, seed=seed)
@@ -54,8 +55,9 @@ def prompt_ids(tokenizer, turns: list[dict[str, str]]) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def regenerate_chunk(params, cfg, tokenizer, convs: list[list[dict[str, str]]], rc: RegenerateConfig, seed: int,
-                     mesh: Mesh | None = None) -> tuple[list[list[dict[str, str]]], dict[str, int]]:
+def regenerate_chunk(
+    params, cfg, tokenizer, convs: list[list[dict[str, str]]], rc: RegenerateConfig, seed: int, mesh: Mesh | None = None
+) -> tuple[list[list[dict[str, str]]], dict[str, int]]:
     """Regenerate every assistant turn of `convs`, one turn index at a time -> (new conversations, counts).
 
     A conversation stops before a turn whose prompt + max_new_tokens exceeds max_length; those left

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,16 +59,18 @@ class Shardings:
     replicated: NamedSharding
 
 
-def make_shardings(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.GradientTransformation,
-                   mesh: Mesh) -> Shardings:
+def make_shardings(
+    tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.GradientTransformation, mesh: Mesh
+) -> Shardings:
     """Placement of every input and state of a train step, from the logical-axis rules."""
     rules = sharding.rules_for(tcfg.num_kv_heads, mesh)
     trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
     trainable = sharding.param_shardings(trainable_specs, mesh, rules)
     replicated = NamedSharding(mesh, PartitionSpec())
     opt_shape = jax.eval_shape(optimizer.init, abstract_params(trainable_specs))
-    opt_state = optax.tree_map_params(optimizer, lambda _, s: s, opt_shape, trainable,
-                                      transform_non_params=lambda _: replicated)
+    opt_state = optax.tree_map_params(
+        optimizer, lambda _, s: s, opt_shape, trainable, transform_non_params=lambda _: replicated
+    )
     return Shardings(
         target=sharding.target_shardings(tcfg, mesh),
         trainable=trainable,
@@ -78,8 +81,14 @@ def make_shardings(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.Gradi
     )
 
 
-def make_train_step(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.GradientTransformation,
-                    ttt_steps: int, sh: Shardings, compute_dtype=jnp.float32) -> Callable:
+def make_train_step(
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    optimizer: optax.GradientTransformation,
+    ttt_steps: int,
+    sh: Shardings,
+    compute_dtype=jnp.float32,
+) -> Callable:
     """Jitted (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask) -> (trainable, opt_state, metrics).
 
     The target runs forward only (no gradient, not in the optimiser); the draft computes in
@@ -87,11 +96,21 @@ def make_train_step(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.Grad
     """
 
     def step(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask):
-        features, target_logits = objective.target_batch(tparams, tcfg, input_ids, attention_mask,
-                                                         dcfg.feature_layers(tcfg))
+        features, target_logits = objective.target_batch(
+            tparams, tcfg, input_ids, attention_mask, dcfg.feature_layers(tcfg)
+        )
         total, m, grads = objective.ttt_value_and_grad(
-            {**trainable, **vocab_map}, dcfg, tparams["embed"], features, target_logits, input_ids, attention_mask,
-            loss_mask, steps=ttt_steps, compute_dtype=compute_dtype)
+            {**trainable, **vocab_map},
+            dcfg,
+            tparams["embed"],
+            features,
+            target_logits,
+            input_ids,
+            attention_mask,
+            loss_mask,
+            steps=ttt_steps,
+            compute_dtype=compute_dtype,
+        )
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
         metrics = {
@@ -112,8 +131,9 @@ def make_train_step(tcfg: TargetConfig, dcfg: DraftConfig, optimizer: optax.Grad
     )
 
 
-def plan_training(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, seq_len: int, ttt_steps: int = 7,
-                  bf16: bool = True) -> Plan:
+def plan_training(
+    tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, seq_len: int, ttt_steps: int = 7, bf16: bool = True
+) -> Plan:
     """Compile the train step (`make_train_step`) on [batch, seq_len] token batches with abstract arguments."""
     sharding.check_mesh(mesh, tcfg, dcfg, batch)
     compute = jnp.bfloat16 if bf16 else jnp.float32
@@ -131,7 +151,17 @@ def plan_training(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int,
         ("draft parameters (f32 master)", device_bytes(trainable) + device_bytes(vocab_map)),
         ("optimizer state", device_bytes(opt_state)),
     )
-    program = compile_program(f"train step ([{batch}, {seq_len}] tokens, {ttt_steps} TTT steps)", mesh, step,
-                              trainable, opt_state, vocab_map, tparams, tokens, tokens, tokens)
+    program = compile_program(
+        f"train step ([{batch}, {seq_len}] tokens, {ttt_steps} TTT steps)",
+        mesh,
+        step,
+        trainable,
+        opt_state,
+        vocab_map,
+        tparams,
+        tokens,
+        tokens,
+        tokens,
+    )
     title = f"training: batch {batch}, length {seq_len}, {'bf16 compute' if bf16 else 'f32'}, mesh {mesh_text(mesh)}"
     return Plan(title, mesh.size, compiler_name(mesh), resident, (program,))

@@ -7,8 +7,8 @@ token and the eos.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from eagle_jax.errors import EagleError
 
@@ -50,7 +50,10 @@ def save(tok, out: Path) -> None:
 
     out.mkdir(parents=True, exist_ok=True)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token=PAD, bos_token=BOS, eos_token=EOS,
+        tokenizer_object=tok,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
         additional_special_tokens=SPECIAL_TOKENS[3:],
     )
     fast.chat_template = CHAT_TEMPLATE
@@ -64,9 +67,13 @@ def save(tok, out: Path) -> None:
     cfg["add_eos_token"] = False
     cfg["clean_up_tokenization_spaces"] = False
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
-    (out / "special_tokens_map.json").write_text(json.dumps(
-        {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS, "additional_special_tokens": SPECIAL_TOKENS[3:]},
-        indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(
+        json.dumps(
+            {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS, "additional_special_tokens": SPECIAL_TOKENS[3:]},
+            indent=2,
+        )
+        + "\n"
+    )
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
 

@@ -33,8 +33,21 @@ from eagle_jax.training.step import Shardings, lr_schedule, make_optimizer, make
 
 DEFAULT_DRAFT_VOCAB = 32000
 # Flags that fix the data order, model and optimiser trajectory: a resumed run must repeat them.
-RESUME_KEYS = ("target", "data", "batch_size", "max_length", "ttt_steps", "lr", "warmup", "grad_accum", "seed",
-               "draft_vocab_size", "init_head", "bf16", "chat_template")
+RESUME_KEYS = (
+    "target",
+    "data",
+    "batch_size",
+    "max_length",
+    "ttt_steps",
+    "lr",
+    "warmup",
+    "grad_accum",
+    "seed",
+    "draft_vocab_size",
+    "init_head",
+    "bf16",
+    "chat_template",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +103,9 @@ class RunMismatch(EagleError):
     def __init__(self, out: Path, diffs: list[tuple[str, object, object]]):
         self.out, self.diffs = out, diffs
         shown = "; ".join(f"{k}={saved!r} (now {now!r})" for k, saved, now in diffs)
-        super().__init__(f"{out} holds a run started with {shown}; repeat those settings to resume or use a new "
-                         "output folder")
+        super().__init__(
+            f"{out} holds a run started with {shown}; repeat those settings to resume or use a new output folder"
+        )
 
 
 def check_resume(rc: RunConfig, out: Path) -> None:
@@ -106,8 +120,9 @@ def check_resume(rc: RunConfig, out: Path) -> None:
         raise RunMismatch(out, diffs)
 
 
-def vocab_map(rc: RunConfig, out: Path, examples: list[data.Example], dcfg: DraftConfig,
-              init_map: dict | None) -> dict[str, np.ndarray]:
+def vocab_map(
+    rc: RunConfig, out: Path, examples: list[data.Example], dcfg: DraftConfig, init_map: dict | None
+) -> dict[str, np.ndarray]:
     """d2t/t2d of the run: from OUT (resume), the initial head, or built once from the data; {} when Vd == V."""
     path = out / "vocab_map.npz"
     if path.is_file():
@@ -155,7 +170,11 @@ def plot_curves(out: Path) -> Path | None:
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     if not rows:
         return None
-    taus = [json.loads(line) for line in (out / "tau.jsonl").read_text().splitlines()] if (out / "tau.jsonl").is_file() else []
+    taus = (
+        [json.loads(line) for line in (out / "tau.jsonl").read_text().splitlines()]
+        if (out / "tau.jsonl").is_file()
+        else []
+    )
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].plot(steps, [r["loss"] for r in rows])
@@ -199,8 +218,9 @@ def tau_prompts(path: str, tokenizer, limit: int = 16) -> list[list[int]]:
     return prompts
 
 
-def measure_tau(tparams: dict, tcfg: TargetConfig, dparams: dict, dcfg: DraftConfig,
-                prompts: list[list[int]], max_new_tokens: int) -> float:
+def measure_tau(
+    tparams: dict, tcfg: TargetConfig, dparams: dict, dcfg: DraftConfig, prompts: list[list[int]], max_new_tokens: int
+) -> float:
     """Mean tokens per cycle of greedy speculative decoding (EAGLE-2 dynamic tree, upstream defaults)."""
     return speculative.generate(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens).tau
 
@@ -225,8 +245,9 @@ def train(rc: RunConfig) -> dict:
     if rc.init_head:
         dcfg, head = loading.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)  # fp32 master
         if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
-            raise EagleError(f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s "
-                             f"({dcfg.draft_vocab_size})")
+            raise EagleError(
+                f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s ({dcfg.draft_vocab_size})"
+            )
         trainable_init, init_map = objective.split_trainable(head)
     else:
         dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
@@ -250,7 +271,8 @@ def train(rc: RunConfig) -> dict:
     mgr = checkpoints.manager(out / "ckpt", rc.keep)
     start = 0
     restored = checkpoints.restore_latest(
-        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}))
+        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state})
+    )
     if restored is not None:
         state, meta = restored
         start = int(meta["step"])
@@ -259,8 +281,9 @@ def train(rc: RunConfig) -> dict:
         truncate_log(out / name, start)
 
     step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype)
-    plan = data.BatchPlan([len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed,
-                          data.bucket_sizes(rc.max_length))
+    plan = data.BatchPlan(
+        [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
+    )
     pad_id = tokenizer.pad_token_id or 0
 
     def real_tau(step: int) -> None:
@@ -280,7 +303,8 @@ def train(rc: RunConfig) -> dict:
             batch = data.collate([examples[i] for i in rows], length, pad_id)
             tokens += batch.real_tokens
             state["params"], state["opt_state"], m = step_fn(
-                state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh))
+                state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh)
+            )
             micro.append(m)
         done = step + 1
         if done % rc.log_every == 0 or done == rc.steps:
@@ -302,7 +326,9 @@ def train(rc: RunConfig) -> dict:
             append_jsonl(out / "metrics.jsonl", last)
             bar.set_postfix_str(
                 f"loss {last['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in acc)} tau~{last['tau_sim']:.2f} "
-                f"{last['tokens_per_s']:.0f} tok/s", refresh=False)
+                f"{last['tokens_per_s']:.0f} tok/s",
+                refresh=False,
+            )
             tokens, t0 = 0, time.perf_counter()
         bar.update(1)
         if prompts and rc.tau_every and done % rc.tau_every == 0:
