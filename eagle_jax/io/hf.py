@@ -203,11 +203,6 @@ def target_hf_shapes(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> dict[st
     return shapes
 
 
-def target_hf_names(cfg: TargetConfig, layout: str = MOE_PER_EXPERT) -> list[str]:
-    """Flat HF tensor names expected for this config."""
-    return list(target_hf_shapes(cfg, layout))
-
-
 def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig, where: str, dtype=None) -> dict:
     """Map HF tensors onto the target parameter tree, checking every name and shape first."""
     tensors = {k: v for k, v in tensors.items() if not k.endswith("rotary_emb.inv_freq")}

@@ -77,15 +77,20 @@ def _pad_end(x: jax.Array, n: int, fill) -> jax.Array:
     return jnp.concatenate([x, jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)], axis=1)
 
 
+def _position_masks(in_vocab: jax.Array, zero_in, loss_mask: jax.Array, steps: int) -> jax.Array:
+    """[steps, B, T] f32 from in_vocab [B, T] (t2d of the target argmax) and the loss mask [B, T]."""
+    in_vocab = _pad_end(in_vocab, steps, zero_in)  # [B, T + S]
+    lm = _pad_end(jnp.asarray(loss_mask, jnp.float32), steps, 0.0)  # [B, T + S]
+    t = loss_mask.shape[1]
+    return jnp.stack([in_vocab[:, j + 1 : j + 1 + t] * lm[:, j : j + t] for j in range(steps)])
+
+
 def position_masks(
     draft_params: dict, dcfg: DraftConfig, target_logits: jax.Array, loss_mask: jax.Array, steps: int = 7
 ) -> jax.Array:
     """position_mask_j [steps, B, T] f32: t2d[argmax shift(target_logits, j+1)] * shift(loss_mask, j)."""
     _, _, in_vocab, zero_in = _step_targets(draft_params, dcfg, target_logits)
-    in_vocab = _pad_end(in_vocab, steps, zero_in)  # [B, T + S]
-    lm = _pad_end(jnp.asarray(loss_mask, jnp.float32), steps, 0.0)  # [B, T + S]
-    t = loss_mask.shape[1]
-    return jnp.stack([in_vocab[:, j + 1 : j + 1 + t] * lm[:, j : j + t] for j in range(steps)])
+    return _position_masks(in_vocab, zero_in, loss_mask, steps)
 
 
 def _ttt_attend(
@@ -144,7 +149,7 @@ def ttt_loss(
     tokens = _pad_end(input_ids, steps, 0)  # [B, T + S]
     probs = _pad_end(probs, steps, 1.0 / dcfg.draft_vocab_size)  # [B, T + S, Vd]; softmax of a zero row
     target_argmax = _pad_end(target_argmax, steps, 0)  # [B, T + S]; argmax of a zero row
-    in_vocab = _pad_end(in_vocab, steps, zero_in)  # [B, T + S]
+    masks = _position_masks(in_vocab, zero_in, loss_mask, steps)  # [S, B, T]
     lm = _pad_end(loss_mask.astype(jnp.float32), steps, 0.0)  # [B, T + S]
     mask0 = target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]  # [B, T, T]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -160,7 +165,7 @@ def ttt_loss(
         logits = draft.logits(draft_params, dcfg, h, None)  # [B, T, Vd] f32
         logq = jax.nn.log_softmax(logits, axis=-1)
         lm_j = window(lm, j)  # [B, T]
-        mask_j = window(in_vocab, j + 1) * lm_j  # [B, T]
+        mask_j = masks[j]  # [B, T]
         loss = -jnp.sum(mask_j * jnp.sum(window(probs, j + 1) * logq, axis=-1)) / (b * t)
         hit = argmax(logits) == window(target_argmax, j + 1)
         count = lambda x: jnp.sum(x).astype(jnp.int32)  # noqa: E731
