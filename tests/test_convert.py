@@ -174,6 +174,18 @@ def test_verify_against_torch(kind, stores, golden_dir):
     assert max(diffs.values()) < 1e-4, diffs
 
 
+def test_head_rope_theta_reaches_inference(golden_dir, tmp_path):
+    """A head whose config says rope_theta 500000 (the target's is 10000): the JAX draft forward rotates with the
+    head's own base, as the torch reference built from that config does (10000 would differ by ~1e-1)."""
+    head = tmp_path / "head"
+    shutil.copytree(golden_dir / "eagle3", head)
+    config = json.loads((head / "config.json").read_text())
+    (head / "config.json").write_text(json.dumps({**config, "rope_theta": 500000.0}))
+    stored = convert.convert(golden_dir / "target", head, tmp_path / "store", progress=False)
+    diffs = convert.verify(stored, golden_dir / "target", head)
+    assert max(diffs["draft_outputs"], diffs["draft_logits"]) < 1e-4, diffs
+
+
 def test_store_errors(stores, golden_dir, tmp_path):
     with pytest.raises(EagleError, match="already exists"):
         convert.convert(golden_dir / "target", golden_dir / "eagle3", stores["eagle3"], progress=False)

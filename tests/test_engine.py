@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny import FAMILIES, tiny_draft, tiny_target, with_eos
@@ -14,6 +15,7 @@ from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree, StaticTree
 from eagle_jax.io import loading
+from eagle_jax.models import kv_cache
 
 SETTINGS = {"t60_d7_k10": DynamicTree(60, 7, 10), "t16_d4_k4": DynamicTree(16, 4, 4)}
 
@@ -134,29 +136,63 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
 
 
 def test_growing_attention_spans_are_lossless(monkeypatch):
-    """300 new tokens for rows of different lengths cross spans 128 -> 256 -> 384: speculative output
-    equals plain greedy, streamed or looped, and plain greedy in segments equals one whole-cache loop."""
-    spans = []
-    pick = schedule.attention_span
-    monkeypatch.setattr(schedule, "attention_span", lambda n, cap: spans.append(pick(n, cap)) or spans[-1])
+    """300 new tokens for rows of different lengths cross spans 128 -> 256 -> 384. The programs each decoder
+    compiles attend over exactly those spans (seen in the forwards they trace) and over the prompt bucket
+    in prefill; speculative output equals plain greedy, streamed or looped, and plain greedy in segments
+    equals one whole-cache loop."""
+    traced = []  # the attention span of every forward traced, target and draft
+    window_mask = kv_cache.window_mask
+    monkeypatch.setattr(kv_cache, "window_mask", lambda c, m, span: traced.append(span) or window_mask(c, m, span))
+    jax.clear_caches()  # trace afresh
     tcfg, tparams = tiny_target("llama", seed=7, vocab=48)
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=8, draft_vocab=32)
-    prompts = [[5, 6, 7, 8, 9] * 6, [3, 1]]
+    prompts = [[5, 6, 7, 8, 9] * 6, [3, 1]]  # bucket 32; capacity 384 (32 + 300 + one tree, rounded up)
     want = _plain(tparams, tcfg, prompts, 300)
-    assert sorted(set(spans)) == [128, 256, 384]
-    spec = DynamicTree(8, 4, 2)
-    assert speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 300, spec).tokens == want
+    assert sorted(set(traced)) == [32, 128, 256, 384]
+    traced.clear()
+    tree = DynamicTree(8, 4, 2)
+    assert speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 300, tree).tokens == want
+    assert sorted(set(traced)) == [32, 128, 256, 384]
+    traced.clear()
     streamed = [[] for _ in prompts]
-    for new, _, _ in speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 300, spec):
+    for new, _, _ in speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 300, tree):
         for row, toks in zip(streamed, new):
             row.extend(toks)
     assert streamed == want
+    assert sorted(set(traced)) == [128, 256, 384]  # the streamed cycle (prefill compiled already)
     p = schedule.prepare(prompts, 300)
-    tokens, lengths, limits, capacity = p.tokens, p.lengths, p.limits, p.capacity
     key = jax.random.key(0)
-    cache, first = plain.prefill(tparams, tokens, lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=capacity)
-    whole = plain.decode_span(tparams, plain.init_state(cache, first, limits, tcfg), key, cfg=tcfg, sc=SamplingConfig())
+    cache, first = plain.prefill(tparams, p.tokens, p.lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=p.capacity)
+    whole = plain.decode_span(
+        tparams, plain.init_state(cache, first, p.limits, tcfg), key, cfg=tcfg, sc=SamplingConfig()
+    )
     assert [np.asarray(whole.out)[r, :300].tolist() for r in range(2)] == want
+
+
+def test_bf16_engine_equals_bf16_plain(heads, golden_target, reference):
+    """bf16 weights through plain decoding and the engine (logits in float32): identical greedy outputs, drafts
+    still accepted."""
+    tcfg, tparams = golden_target
+    dcfg, dparams = heads["eagle3"]
+
+    def bf16(tree):
+        return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    tparams, dparams = bf16(tparams), bf16(dparams)
+    prompts = [reference[f"p{i}.input_ids"].tolist() for i in range(4)]
+    want = plain.generate(tparams, tcfg, prompts, 32).tokens
+    res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 32, DynamicTree(16, 4, 4))
+    assert res.tokens == want and res.tau > 2
+    from eagle_jax.models import target
+
+    out = target.forward(
+        tparams,
+        tcfg,
+        jnp.asarray([prompts[0]]),
+        jnp.arange(len(prompts[0]))[None],
+        target.init_cache(tcfg, 1, len(prompts[0]), jnp.bfloat16),
+    )
+    assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
 
 
 def test_eos_and_budget_per_row():
@@ -214,10 +250,7 @@ def _chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
     return float(stats.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue)
 
 
-@pytest.mark.parametrize(
-    "sc", [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9), SamplingConfig(1.0, top_k=5)], ids=str
-)
-def test_sampling_lossless(sc):
+def test_sampling_lossless():
     """The joint law of the first 3 tokens under speculative sampling equals the target's.
 
     4000 rows sample in one batched run; the exact law comes from the target over all 8^3 sequences.
@@ -227,6 +260,7 @@ def test_sampling_lossless(sc):
     residual not renormalised, the draft's law leaking in) moves far more mass. The last assertion
     checks that the same samples reject the law at another temperature.
     """
+    sc = SamplingConfig(0.7, top_p=0.9)
     vocab, n_rows, n_tok = 8, 4000, 3
     tcfg, tparams = tiny_target("llama", seed=11, vocab=vocab, hidden=32)
     tparams = jax.tree.map(lambda x: x * 0.5 if x.ndim >= 2 else x, tparams)  # softer target distributions
@@ -240,6 +274,173 @@ def test_sampling_lossless(sc):
     # the same check rejects a wrong law (the power claimed above)
     wrong = _exact_joint(tparams, tcfg, prompt, SamplingConfig(0.5), n_tok)
     assert _chi2_pvalue(counts, wrong) < 1e-6
+
+
+def _teacher_forced_laws(tparams, tcfg, prompts, tokens, sc: SamplingConfig) -> np.ndarray:
+    """laws[r, i]: the target's processed law of emitted token i of row r given everything before it [R, n, V]."""
+    from eagle_jax.decoding.sampling import processed_probs
+    from eagle_jax.models import target
+
+    rows = [list(p) + list(t) for p, t in zip(prompts, tokens)]
+    width = max(map(len, rows))
+    seqs = np.zeros((len(rows), width), np.int32)
+    for r, row in enumerate(rows):
+        seqs[r, : len(row)] = row
+    out = target.forward(
+        tparams,
+        tcfg,
+        jnp.asarray(seqs),
+        jnp.broadcast_to(jnp.arange(width), seqs.shape),
+        target.init_cache(tcfg, len(rows), width),
+    )
+    probs = np.asarray(processed_probs(out.logits, sc), np.float64)  # [R, W, V]
+    return np.stack([probs[r, len(p) - 1 : len(p) - 1 + len(t)] for r, (p, t) in enumerate(zip(prompts, tokens))])
+
+
+def _rank_test(laws: np.ndarray, tokens: np.ndarray, bins: int = 4) -> float:
+    """p-value that every emitted token follows its law: tokens fall in rank bins (0, 1, 2, 3+ by probability,
+    ties by id); bin indicators minus bin probabilities are martingale differences, so their sum D with
+    covariance sum(diag(q) - q q^T) gives a chi-square with bins - 1 degrees of freedom."""
+    from scipy import stats
+
+    rank = np.argsort(np.argsort(-laws, axis=-1, kind="stable"), axis=-1)  # [R, n, V]
+    bin_of = np.minimum(rank, bins - 1)
+    observed = np.eye(bins)[np.take_along_axis(bin_of, tokens[..., None], axis=-1)[..., 0]].reshape(-1, bins)
+    expected = np.stack([np.sum(laws * (bin_of == k), axis=-1) for k in range(bins)], axis=-1).reshape(-1, bins)
+    diff = (observed - expected).sum(0)[:-1]
+    cov = (np.diag(expected.sum(0)) - expected.T @ expected)[:-1, :-1]
+    return float(stats.chi2.sf(diff @ np.linalg.solve(cov, diff), bins - 1))
+
+
+def _draft_test(laws: np.ndarray, tokens: np.ndarray, cycles: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> float:
+    """p-value that the drafts are accepted as often as the target's law says, no more and no less.
+
+    At every node on an accepted path the target's next token lands among the node's children with
+    probability q = law(children's tokens) (the tree is drafted before the target draws); indicators minus
+    q are martingale differences, so z = sum(I - q) / sqrt(sum q (1 - q)) is standard normal.
+    cycles: per cycle (tree tokens [R, N], tree parents [R, N], tokens emitted before it [R])."""
+    from scipy import stats
+
+    hits, probs = [], []
+    n = tokens.shape[1]
+    for tree_tokens, parents, before in cycles:
+        is_child = np.arange(parents.shape[1]) > 0
+        for r in range(tokens.shape[0]):
+            node, k = 0, int(before[r])  # the cycle's root is emitted token `before[r]`
+            while k + 1 < n:
+                children = np.flatnonzero((parents[r] == node) & is_child)
+                kids = tree_tokens[r, children]
+                if not len(kids):
+                    break
+                hits.append(tokens[r, k + 1] in kids)
+                probs.append(laws[r, k + 1, kids].sum())
+                accepted = children[kids == tokens[r, k + 1]]
+                if not len(accepted):
+                    break  # the next token is this cycle's bonus
+                node, k = int(accepted[0]), k + 1
+    hits, probs = np.asarray(hits, np.float64), np.asarray(probs)
+    z = (hits - probs).sum() / np.sqrt((probs * (1 - probs)).sum())
+    return float(2 * stats.norm.sf(abs(z)))
+
+
+SAMPLING_CASES = {
+    "eagle3-dynamic": ("eagle3", DynamicTree(8, 3, 3), SamplingConfig(1.0)),
+    "eagle1-static": (
+        "eagle1",
+        StaticTree(((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+        SamplingConfig(0.8, top_p=0.9),
+    ),
+    "eagle3-narrow-topk": ("eagle3", DynamicTree(12, 4, 2), SamplingConfig(1.0, top_k=5)),
+}
+PROMPTS = [[1, 4, 2], [7, 3, 9, 9, 1, 5, 2], [2, 11, 6, 8, 3]]  # a batch of different prompt lengths
+ROWS, NEW = 2400, 16
+
+
+def _sampling_models(kind: str):
+    tcfg, tparams = tiny_target("llama", seed=11, vocab=16, hidden=32)
+    tparams = jax.tree.map(lambda x: x * 0.5 if x.ndim >= 2 else x, tparams)  # soft target distributions
+    dcfg, dparams = tiny_draft(kind, tcfg, seed=12, draft_vocab=12 if kind == "eagle3" else None)
+    return tcfg, tparams, dcfg, dparams
+
+
+def _prompts(rows: int) -> list[list[int]]:
+    return [PROMPTS[r % len(PROMPTS)] for r in range(rows)]
+
+
+def _streamed_sample(models, tree, sc, rows: int, seed: int):
+    """(tokens [R, NEW], per-cycle (tree tokens, tree parents, tokens emitted before)) of a streamed run."""
+    tcfg, tparams, dcfg, dparams = models
+    tokens, cycles = [[] for _ in range(rows)], []
+    for new, tr, _ in speculative.stream(tparams, tcfg, dparams, dcfg, _prompts(rows), NEW, tree, sc, seed=seed):
+        cycles.append((np.asarray(tr.tokens), np.asarray(tr.parents), np.array([len(t) for t in tokens])))
+        for row, toks in zip(tokens, new):
+            row.extend(toks)
+    return np.asarray(tokens), cycles
+
+
+def _law_p_values(models, tree, sc, seed: int = 3) -> tuple[float, float]:
+    tokens, cycles = _streamed_sample(models, tree, sc, ROWS, seed)
+    assert len(cycles) >= 4 and tokens.shape == (ROWS, NEW)
+    laws = _teacher_forced_laws(models[1], models[0], _prompts(ROWS), tokens, sc)
+    return _rank_test(laws, tokens), _draft_test(laws, tokens, cycles)
+
+
+@pytest.mark.parametrize("case", sorted(SAMPLING_CASES))
+def test_sampling_keeps_the_targets_law(case):
+    """2400 rows of 16 sampled tokens over 8+ cycles, prompts of three lengths: every token follows the target's
+    law given its prefix (`_rank_test`), and drafts are accepted exactly as often as that law says
+    (`_draft_test`; `test_sampling_tests_reject_a_subtle_bias` shows its power)."""
+    kind, tree, sc = SAMPLING_CASES[case]
+    p_rank, p_draft = _law_p_values(_sampling_models(kind), tree, sc)
+    assert p_rank > 1e-3 and p_draft > 1e-3, (p_rank, p_draft)
+
+
+def test_sampling_tests_reject_a_subtle_bias(monkeypatch):
+    """An engine that accepts a drafted token with probability ~ 1.1 p instead of p (at each node an extra coin
+    of probability 0.1 p(token) accepts the first child it falls on) fails the draft test."""
+    from eagle_jax.decoding import acceptance
+    from eagle_jax.decoding.sampling import processed_probs
+
+    seen = {}
+    real_sample, real_accept = speculative.sample, acceptance.accept
+
+    def spy_sample(key, logits, sc):
+        seen.update(key=key, probs=processed_probs(logits, sc))
+        return real_sample(key, logits, sc)
+
+    def biased_accept(tr, choice, path_len):
+        n = tr.tokens.shape[1]
+        at_parent = jnp.take_along_axis(seen["probs"], tr.parents[..., None], axis=1)  # [B, N, V] law at the parent
+        p_token = jnp.take_along_axis(at_parent, tr.tokens[..., None], axis=2)[..., 0]  # [B, N]
+        coin = jax.random.uniform(jax.random.fold_in(seen["key"], 99), tr.tokens.shape) < 0.1 * p_token
+        coin = coin & (jnp.arange(n) > 0)
+        child_of = (tr.parents[:, None, :] == jnp.arange(n)[None, :, None]) & coin[:, None, :]  # [B, parent, child]
+        extra = jnp.take_along_axis(tr.tokens, jnp.argmax(child_of, axis=-1), axis=1)
+        return real_accept(tr, jnp.where(jnp.any(child_of, axis=-1), extra, choice), path_len)
+
+    kind, tree, sc = SAMPLING_CASES["eagle3-dynamic"]
+    models = _sampling_models(kind)
+    monkeypatch.setattr(speculative, "sample", spy_sample)
+    monkeypatch.setattr(acceptance, "accept", biased_accept)
+    jax.clear_caches()
+    try:
+        _, p_draft = _law_p_values(models, tree, sc)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # no biased program outlives this test
+    assert p_draft < 1e-5, p_draft
+
+
+def test_seeds_reproduce_samples():
+    """A seed gives the same sample in the while loop and when streamed; another seed gives another."""
+    kind, tree, sc = SAMPLING_CASES["eagle3-dynamic"]
+    tcfg, tparams, dcfg, dparams = models = _sampling_models(kind)
+
+    def looped(seed: int) -> list[list[int]]:
+        return speculative.generate(tparams, tcfg, dparams, dcfg, _prompts(6), NEW, tree, sc, seed=seed).tokens
+
+    assert looped(21) == looped(21) == _streamed_sample(models, tree, sc, 6, 21)[0].tolist()
+    assert looped(22) != looped(21)
 
 
 def test_no_compile_after_warmup(heads, golden_target):

@@ -16,6 +16,7 @@ from tiny import tiny_draft, tiny_target
 
 from cli import plan
 from eagle_jax.decoding import plain, programs, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed, sharding
@@ -55,6 +56,19 @@ def test_speculative_sharded_equals_unsharded(mesh_text, batch, models, prompts,
     assert got.tokens == want.tokens
     assert got.accept_lengths == want.accept_lengths
     assert got.stop_reasons == want.stop_reasons
+
+
+def test_sampling_on_a_mesh_equals_unsharded(models, prompts):
+    """A seeded speculative sample is the same on tensor=4,data=2 as on one device (random bits do not depend on
+    the layout), and differs from another seed's."""
+    tcfg, tparams, dcfg, dparams = models
+    sc = SamplingConfig(1.0, top_p=0.9)
+    want = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 16, SPEC, sc, seed=4)
+    got = programs.generate(
+        tparams, tcfg, dparams, dcfg, prompts, 16, sharding.make_mesh("tensor=4,data=2"), SPEC, sc, seed=4
+    )
+    assert got.tokens == want.tokens and got.accept_lengths == want.accept_lengths
+    assert speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 16, SPEC, sc, seed=5).tokens != want.tokens
 
 
 def test_plain_sharded_equals_unsharded(models, prompts):
