@@ -88,8 +88,8 @@ def test_single_safetensors_layout(llama, reference_params):
     assert [p.name for p in hf.weight_files(path)] == ["model.safetensors"]
     flat = reference_params
     sd = model.state_dict()
-    np.testing.assert_array_equal(flat["layers.q"][1], sd["model.layers.1.self_attn.q_proj.weight"].numpy().T)
-    np.testing.assert_array_equal(flat["layers.mlp.down"][0], sd["model.layers.0.mlp.down_proj.weight"].numpy().T)
+    np.testing.assert_array_equal(flat["layers.1.q"], sd["model.layers.1.self_attn.q_proj.weight"].numpy().T)
+    np.testing.assert_array_equal(flat["layers.0.mlp.down"], sd["model.layers.0.mlp.down_proj.weight"].numpy().T)
     np.testing.assert_array_equal(flat["lm_head"], sd["lm_head.weight"].numpy().T)
     np.testing.assert_array_equal(flat["embed"], sd["model.embed_tokens.weight"].numpy())
 
@@ -165,7 +165,7 @@ def test_half_precision_weights(llama, reference_params, tmp_path, torch_dtype, 
     # the stored values are exactly the rounded fp32 weights
     sd = half.state_dict()
     np.testing.assert_array_equal(
-        flat["layers.q"][0].astype(np.float32), sd["model.layers.0.self_attn.q_proj.weight"].float().numpy().T
+        flat["layers.0.q"].astype(np.float32), sd["model.layers.0.self_attn.q_proj.weight"].float().numpy().T
     )
     rel = 2.0**-8 if np_name == "bfloat16" else 2.0**-11
     for k, ref in reference_params.items():

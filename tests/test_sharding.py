@@ -83,15 +83,15 @@ def test_placements(models):
     tcfg, _, dcfg, _ = models
     rows = ("data", "fsdp")
     split = programs.spec_state_shardings(tcfg, dcfg, sharding.make_mesh("tensor=4,data=2"))
-    assert split.target_cache.k.spec == P(None, rows, None, "tensor", None)
-    assert split.draft_cache.v.spec == P(None, rows, None, "tensor", None)
+    assert split.target_cache.k.spec == P(None, rows, "tensor", None, None)
+    assert split.draft_cache.v.spec == P(None, rows, "tensor", None, None)
     assert split.out.spec == P(rows, None) and split.accept_lengths.spec == P(None, rows) and split.key.spec == P()
     replicated_kv = programs.cache_shardings(tcfg.num_kv_heads, sharding.make_mesh("tensor=8"))
     assert replicated_kv.k.spec == P(None, rows, None, None, None)
     tsh = sharding.target_shardings(tcfg, sharding.make_mesh("tensor=8"))
-    assert tsh["layers"]["q"].spec == P(None, None, "tensor")
-    assert tsh["layers"]["k"].spec == P(None, None, None)  # 4 kv heads < tensor=8: replicated, not cut inside a head
-    assert tsh["layers"]["mlp"]["down"].spec == P(None, "tensor", None)
+    assert tsh["layers"][0]["q"].spec == P(None, "tensor")
+    assert tsh["layers"][0]["k"].spec == P(None, None)  # 4 kv heads < tensor=8: replicated, not cut inside a head
+    assert tsh["layers"][0]["mlp"]["down"].spec == P("tensor", None)
     assert tsh["embed"].spec == P("tensor", None)
 
 
@@ -124,7 +124,7 @@ def test_ttt_loss_sharded_equals_single_device(models):
         *(sharding.put(x, rows) for x in (ids, attn, loss_mask)),
     )
     got = sharded(*args)
-    assert args[0]["layers"]["q"].sharding.spec == P(None, "fsdp", "tensor")
+    assert args[0]["layers"][0]["q"].sharding.spec == P("fsdp", "tensor")
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     np.testing.assert_array_equal(got[1]["n_correct"], want[1]["n_correct"])
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-4, atol=5e-5), got[2], want[2])

@@ -170,36 +170,36 @@ def _cycle(
     embed = tparams["embed"]
     head = target.output_head(tparams, tcfg)
     running = ~s.done
-    # 1. draft the tree
-    ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
+    with jax.named_scope("draft_levels"):
+        ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
     expand = _expand_fn(dparams, dcfg, embed, head, tree.top_k, span)
     start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
     tr, dcache = trees.build(tree, start, expand, s.draft_cache)
-    # 2. verify: one target forward over the tree
-    positions = s.target_cache.lengths[:, None] + tr.depths
-    fwd = target.forward(
-        tparams,
-        tcfg,
-        tr.tokens,
-        positions,
-        s.target_cache,
-        mask=tr.mask,
-        feature_layers=dcfg.feature_layers(tcfg),
-        span=span,
-    )
-    key = jax.random.fold_in(s.key, s.cycle + 1)
-    choice = sample(key, fwd.logits, sampling)  # [B, N] the target's token after each node
-    # 3. accept the deepest node whose whole path agrees with the target
-    accept_len, path, bonus = acceptance.accept(tr, choice, tree.path_len)
-    emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
-    # 4. emit up to the budget and the first eos
-    commit = jnp.where(running, accept_len + 1, 0)
-    out, counts, hit_eos = emit(s.out, s.counts, s.limits, emitted, commit, tcfg)
-    # 5. commit the accepted target entries, feed the draft the accepted features
-    tcache = kv_cache.advance(kv_cache.compact(fwd.cache, path), commit)
-    pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
-    feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)
-    draft_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
+    with jax.named_scope("verify"):  # one target forward over the tree
+        positions = s.target_cache.lengths[:, None] + tr.depths
+        fwd = target.forward(
+            tparams,
+            tcfg,
+            tr.tokens,
+            positions,
+            s.target_cache,
+            mask=tr.mask,
+            feature_layers=dcfg.feature_layers(tcfg),
+            span=span,
+        )
+    with jax.named_scope("sample"):
+        choice = sample(jax.random.fold_in(s.key, s.cycle + 1), fwd.logits, sampling)  # [B, N] target's next tokens
+    with jax.named_scope("accept"):  # the deepest node whose whole path agrees; emit up to the budget and eos
+        accept_len, path, bonus = acceptance.accept(tr, choice, tree.path_len)
+        emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
+        commit = jnp.where(running, accept_len + 1, 0)
+        out, counts, hit_eos = emit(s.out, s.counts, s.limits, emitted, commit, tcfg)
+    with jax.named_scope("compact"):  # the accepted target entries to contiguous slots
+        tcache = kv_cache.advance(kv_cache.compact(fwd.cache, path), commit)
+    with jax.named_scope("draft_catch_up"):  # the draft reads the accepted features
+        pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
+        feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)
+        draft_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
     eos = s.eos | hit_eos
     room = tcache.lengths + tree.cache_overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room

@@ -163,8 +163,9 @@ def root_paths(mask: jax.Array, depths: jax.Array, num_cols: int) -> jax.Array:
 
 
 def _finish(tokens: jax.Array, parents: jax.Array, max_depth: int) -> Tree:
-    mask = ancestor_mask(parents, max_depth)
-    return Tree(tokens, parents, jnp.sum(mask, axis=-1) - 1, mask)
+    with jax.named_scope("tree_mask"):
+        mask = ancestor_mask(parents, max_depth)
+        return Tree(tokens, parents, jnp.sum(mask, axis=-1) - 1, mask)
 
 
 def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
@@ -202,9 +203,18 @@ def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) 
         return carry, (child_tokens, cum, child_parents)
 
     init = (state, frontier_tokens, frontier_scores, frontier_hidden, frontier_flat, frontier_mask)
-    (state, *_), (tok_l, score_l, parent_l) = jax.lax.scan(step, init, jnp.arange(depth))
+    with jax.named_scope("draft_levels"):
+        (state, *_), (tok_l, score_l, parent_l) = jax.lax.scan(step, init, jnp.arange(depth))
+    with jax.named_scope("rerank"):
+        tokens, parents = _rerank(tree, root, root_ids, start.logp, tok_l, score_l, parent_l)
+    return _finish(tokens, parents, tree.max_depth), state
+
+
+def _rerank(tree: DynamicTree, root, root_ids, root_logp, tok_l, score_l, parent_l) -> tuple[jax.Array, jax.Array]:
+    """The best total_tokens - 1 of every recorded candidate, in recorded order: (tokens, parents) [B, N]."""
+    b, k = root_ids.shape
     all_tokens = jnp.concatenate([root_ids, jnp.moveaxis(tok_l, 0, 1).reshape(b, -1)], axis=1)
-    all_scores = jnp.concatenate([start.logp, jnp.moveaxis(score_l, 0, 1).reshape(b, -1)], axis=1)
+    all_scores = jnp.concatenate([root_logp, jnp.moveaxis(score_l, 0, 1).reshape(b, -1)], axis=1)
     all_parents = jnp.concatenate(
         [jnp.zeros((b, k), jnp.int32), jnp.moveaxis(parent_l, 0, 1).reshape(b, -1).astype(jnp.int32)], axis=1
     )
@@ -215,7 +225,7 @@ def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) 
     parent_node = jnp.where(parent_flat == 0, 0, parent_node)
     tokens = jnp.concatenate([root[:, None], jnp.take_along_axis(all_tokens, chosen, axis=1)], axis=1)
     parents = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent_node.astype(jnp.int32)], axis=1)
-    return _finish(tokens, parents, tree.max_depth), state
+    return tokens, parents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,25 +266,31 @@ def static_layout(tree: StaticTree) -> _StaticLayout:
 
 def build_static(tree: StaticTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
     """EAGLE-1 static tree: node tokens are the parent's draft top-k at the node's rank. Returns (tree, state)."""
-    root, root_ids, root_hidden = start.root, start.ids, start.hidden
     lay = static_layout(tree)
-    b, width, n = root.shape[0], tree.width, tree.num_nodes
+    b = start.root.shape[0]
+    with jax.named_scope("draft_levels"):
+        tokens, state = _static_levels(tree, lay, start, expand, state)
+    return _finish(tokens, jnp.broadcast_to(jnp.asarray(lay.parents), (b, tree.num_nodes)), tree.max_depth), state
+
+
+def _static_levels(tree: StaticTree, lay: _StaticLayout, start: TreeStart, expand: ExpandFn, state):
+    """Node tokens [B, N] level by level, every level but the last expanded by one draft pass; (tokens, state)."""
+    b, width, h = start.root.shape[0], tree.width, start.hidden.shape[-1]
     rows = jnp.arange(b)[:, None]
-    tokens = jnp.zeros((b, n), root.dtype).at[:, 0].set(root)
-    level_tokens = root_ids[:, lay.level_rank[0]]  # [B, width]
-    hidden = root_hidden[:, None, :]  # [B, 1 or width, H]: outputs of the level above
+    tokens = jnp.zeros((b, tree.num_nodes), start.root.dtype).at[:, 0].set(start.root)
+    level_tokens = start.ids[:, lay.level_rank[0]]  # [B, width]
+    hidden = start.hidden[:, None, :]  # [B, 1 or width, H]: outputs of the level above
     for d in range(1, tree.max_depth + 1):
         valid = lay.level_nodes[d - 1] >= 0
         tokens = tokens.at[:, lay.level_nodes[d - 1][valid]].set(level_tokens[:, valid])
         if d == tree.max_depth:
             break
-        parent_hidden = jnp.broadcast_to(hidden[:, lay.level_parent_slot[d - 1]], (b, width, root_hidden.shape[-1]))
+        parent_hidden = jnp.broadcast_to(hidden[:, lay.level_parent_slot[d - 1]], (b, width, h))
         positions = jnp.broadcast_to(start.position[:, None] + d - 1, (b, width))
         mask = jnp.broadcast_to(jnp.asarray(lay.window_mask[d - 1]), (b, width, tree.draft_window))
         state, hidden, ids, _ = expand(state, level_tokens, parent_hidden, positions, mask, (d - 1) * width)
         level_tokens = ids[rows, lay.level_parent_slot[d], lay.level_rank[d]]
-    parents = jnp.broadcast_to(jnp.asarray(lay.parents), (b, n))
-    return _finish(tokens, parents, tree.max_depth), state
+    return tokens, state
 
 
 def build(tree: TreeConfig, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:

@@ -221,11 +221,9 @@ def target_params_from_tensors(tensors: dict[str, np.ndarray], cfg: TargetConfig
     if not cfg.tie_word_embeddings:
         flat["lm_head"] = cast(tensors["lm_head.weight"]).T
     for ours, s in _target_layer_sources(cfg, layout).items():
-        per_layer = []
         for i in range(cfg.num_layers):
             parts = [tensors[name] for name in _names(s.template, cfg, i)]
-            per_layer.append(s.read(np.stack(parts) if "{e}" in s.template else parts[0]))
-        flat[f"layers.{ours}"] = cast(np.stack(per_layer))
+            flat[f"layers.{i}.{ours}"] = cast(s.read(np.stack(parts) if "{e}" in s.template else parts[0]))
     params = unflatten(flat)
     check_against_specs(params, target_model.param_specs(cfg), where)
     return params
@@ -246,7 +244,7 @@ def target_tensors(params: dict, cfg: TargetConfig) -> dict[str, np.ndarray]:
         out["lm_head.weight"] = flat["lm_head"].T
     for ours, s in _target_layer_sources(cfg, MOE_PER_EXPERT).items():
         for i in range(cfg.num_layers):
-            stored = s.write(flat[f"layers.{ours}"][i])
+            stored = s.write(flat[f"layers.{i}.{ours}"])
             names = _names(s.template, cfg, i)
             out.update(zip(names, stored if "{e}" in s.template else [stored]))
     return {k: np.ascontiguousarray(v) for k, v in out.items()}

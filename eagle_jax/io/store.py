@@ -45,7 +45,7 @@ from eagle_jax.models.config import (
 from eagle_jax.models.params import check_against_specs, is_spec, map_specs, with_dtype
 from eagle_jax.parallel import sharding
 
-FORMAT = "eagle-jax-store/1"
+FORMAT = "eagle-jax-store/2"  # /1 stacked the target's layers on one axis
 MANIFEST = "eagle_jax.json"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
@@ -94,6 +94,11 @@ def read_manifest(path: str | Path) -> Manifest:
     if not path.is_dir():
         raise EagleError(f"{path}: directory not found")
     raw = files.read_json(path / MANIFEST)
+    if raw.get("format") == "eagle-jax-store/1":
+        raise EagleError(
+            f"{path}: a store of an earlier format (layers stacked on one axis); convert the checkpoint "
+            "again with python -m convert.torch_to_orbax"
+        )
     if raw.get("format") != FORMAT:
         raise EagleError(f"{path / MANIFEST}: format {raw.get('format')!r} is not {FORMAT!r}")
     try:

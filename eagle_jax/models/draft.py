@@ -148,7 +148,7 @@ def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, layer: int, slots,
     """One cached decoder layer on the (already normed) input x with `residual`."""
     q, k, v = qkv(p, c, x, positions)
     ck, cv = kv_cache.write(ck, cv, layer, slots, k, v)
-    return post_attention(p, c, attend(q, ck[layer, :, :span], cv[layer, :, :span], mask), residual), ck, cv
+    return post_attention(p, c, attend(q, *kv_cache.keys_values(ck, cv, layer, span), mask), residual), ck, cv
 
 
 def logits(params: dict, c: DraftConfig, out: jax.Array, target_head: jax.Array | None) -> jax.Array:

@@ -21,37 +21,43 @@ from eagle_jax.errors import EagleError
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, B, S, KV, D]
-    v: jax.Array  # [L, B, S, KV, D]
+    k: jax.Array  # [L, B, KV, S, D]: each head's keys contiguous, as attention reads them
+    v: jax.Array  # [L, B, KV, S, D]
     lengths: jax.Array  # [B] int32
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
         return self.k.shape[1]
 
 
-CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 
 def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> KVCache:
     if capacity < 1:
         raise EagleError(f"cache capacity must be positive, got {capacity}")
-    shape = (num_layers, batch, capacity, num_kv_heads, head_dim)
+    shape = (num_layers, batch, num_kv_heads, capacity, head_dim)
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
 def write(
-    cache_k: jax.Array, cache_v: jax.Array, layer: int | jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array
+    cache_k: jax.Array, cache_v: jax.Array, layer: int, slots: jax.Array, k: jax.Array, v: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter new entries k, v [B, T, KV, D] into layer `layer` at per-row slots [B, T]."""
-    rows = jnp.arange(k.shape[0])[:, None]
-    cache_k = cache_k.at[layer, rows, slots].set(k.astype(cache_k.dtype), mode="drop")
-    cache_v = cache_v.at[layer, rows, slots].set(v.astype(cache_v.dtype), mode="drop")
+    b, _, kv, _ = k.shape
+    index = (layer, jnp.arange(b)[:, None, None], jnp.arange(kv)[None, :, None], slots[:, None, :])  # [B, KV, T]
+    cache_k = cache_k.at[index].set(jnp.swapaxes(k, 1, 2).astype(cache_k.dtype), mode="drop")
+    cache_v = cache_v.at[index].set(jnp.swapaxes(v, 1, 2).astype(cache_v.dtype), mode="drop")
     return cache_k, cache_v
+
+
+def keys_values(cache_k: jax.Array, cache_v: jax.Array, layer: int, span: int) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s first `span` slots: k, v [B, KV, span, D]."""
+    return cache_k[layer, :, :, :span], cache_v[layer, :, :, :span]
 
 
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
@@ -70,15 +76,19 @@ def compact(cache: KVCache, src: jax.Array) -> KVCache:
     past the accepted length are moved too but stay beyond `lengths` until overwritten.
     """
     b, n = src.shape
-    rows = jnp.arange(b)[:, None]
     start = cache.lengths[:, None]
-    src_slots = jnp.clip(start + src, 0, cache.capacity - 1)
-    dst_slots = start + jnp.arange(n)[None, :]
-    k = cache.k[:, rows, src_slots]  # [L, B, N, KV, D]
-    v = cache.v[:, rows, src_slots]
-    new_k = cache.k.at[:, rows, dst_slots].set(k, mode="drop")
-    new_v = cache.v.at[:, rows, dst_slots].set(v, mode="drop")
-    return dataclasses.replace(cache, k=new_k, v=new_v)
+    src_slots = jnp.clip(start + src, 0, cache.capacity - 1)[None, :, None, :, None]  # [1, B, 1, N, 1]
+    dst = (
+        slice(None),
+        jnp.arange(b)[:, None, None],
+        jnp.arange(cache.k.shape[2])[None, :, None],
+        (start + jnp.arange(n)[None, :])[:, None, :],
+    )  # [B, KV, N] after the layer axis
+    moved_k = jnp.take_along_axis(cache.k, src_slots, axis=3)  # [L, B, KV, N, D]
+    moved_v = jnp.take_along_axis(cache.v, src_slots, axis=3)
+    return dataclasses.replace(
+        cache, k=cache.k.at[dst].set(moved_k, mode="drop"), v=cache.v.at[dst].set(moved_v, mode="drop")
+    )
 
 
 def window_mask(cache: KVCache, new_mask: jax.Array, span: int) -> jax.Array:

@@ -63,15 +63,22 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Arra
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Grouped-query attention. q [B, T, N, D], k/v [B, S, KV, D], mask [B, T, S] -> [B, T, N, D]."""
+    """Grouped-query attention. q [B, T, N, D], k/v [B, KV, S, D], mask [B, T, S] -> [B, T, N, D].
+
+    The G = N / KV query heads of a kv head are rows of one matrix [G * T, D] against its keys [S, D],
+    and the probabilities are normalised after the value product ([G * T, D] divisions instead of
+    [G * T, S]).
+    """
     b, t, n, d = q.shape
-    kv = k.shape[2]
-    q = q.reshape(b, t, kv, n // kv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / math.sqrt(d)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(b, t, n, d)
+    kv = k.shape[1]
+    g = n // kv
+    q = (q * (1 / math.sqrt(d))).reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32).reshape(b, kv, g, t, -1)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # [B, KV, G, T, S]
+    out = jnp.einsum("bkqs,bksd->bkqd", weights.reshape(b, kv, g * t, -1).astype(v.dtype), v)
+    out = out / jnp.sum(weights, axis=-1).reshape(b, kv, g * t, 1).astype(out.dtype)
+    return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:

@@ -21,55 +21,63 @@ from eagle_jax.models.layers import apply_rope, attend, linear, rms_norm, sparse
 from eagle_jax.models.params import ParamSpec
 
 
-def param_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:
-    """Every target parameter, once: shape, dtype, logical axes. Weights are [in, out]; layers stacked."""
-    L, H, V = cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+def layer_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:
+    """One decoder layer's parameters (weights [in, out])."""
+    H, I = cfg.hidden_size, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
     def w(*shape_axes, init="normal"):
-        shape = tuple(s for s, _ in shape_axes)
-        axes = tuple(a for _, a in shape_axes)
-        return ParamSpec(shape, axes, dtype, init)
+        return ParamSpec(tuple(s for s, _ in shape_axes), tuple(a for _, a in shape_axes), dtype, init)
 
-    layers = {
-        "attn_norm": w((L, "layers"), (H, None), init="ones"),
-        "q": w((L, "layers"), (H, "embed"), (q_out, "heads")),
-        "k": w((L, "layers"), (H, "embed"), (kv_out, "kv_heads")),
-        "v": w((L, "layers"), (H, "embed"), (kv_out, "kv_heads")),
-        "o": w((L, "layers"), (q_out, "heads"), (H, "embed")),
-        "mlp_norm": w((L, "layers"), (H, None), init="ones"),
+    layer = {
+        "attn_norm": w((H, None), init="ones"),
+        "q": w((H, "embed"), (q_out, "heads")),
+        "k": w((H, "embed"), (kv_out, "kv_heads")),
+        "v": w((H, "embed"), (kv_out, "kv_heads")),
+        "o": w((q_out, "heads"), (H, "embed")),
+        "mlp_norm": w((H, None), init="ones"),
     }
     if cfg.qkv_bias:
-        layers["q_bias"] = w((L, "layers"), (q_out, "heads"), init="zeros")
-        layers["k_bias"] = w((L, "layers"), (kv_out, "kv_heads"), init="zeros")
-        layers["v_bias"] = w((L, "layers"), (kv_out, "kv_heads"), init="zeros")
+        layer["q_bias"] = w((q_out, "heads"), init="zeros")
+        layer["k_bias"] = w((kv_out, "kv_heads"), init="zeros")
+        layer["v_bias"] = w((kv_out, "kv_heads"), init="zeros")
     if cfg.o_bias:
-        layers["o_bias"] = w((L, "layers"), (H, None), init="zeros")
+        layer["o_bias"] = w((H, None), init="zeros")
     if cfg.qk_norm:
-        layers["q_norm"] = w((L, "layers"), (cfg.head_dim, None), init="ones")
-        layers["k_norm"] = w((L, "layers"), (cfg.head_dim, None), init="ones")
-    I = cfg.intermediate_size
+        layer["q_norm"] = w((cfg.head_dim, None), init="ones")
+        layer["k_norm"] = w((cfg.head_dim, None), init="ones")
     if cfg.is_moe:
         E = cfg.num_experts
-        layers["mlp"] = {
-            "router": w((L, "layers"), (H, "embed"), (E, None)),
-            "gate": w((L, "layers"), (E, "experts"), (H, "embed"), (I, "mlp")),
-            "up": w((L, "layers"), (E, "experts"), (H, "embed"), (I, "mlp")),
-            "down": w((L, "layers"), (E, "experts"), (I, "mlp"), (H, "embed")),
+        layer["mlp"] = {
+            "router": w((H, "embed"), (E, None)),
+            "gate": w((E, "experts"), (H, "embed"), (I, "mlp")),
+            "up": w((E, "experts"), (H, "embed"), (I, "mlp")),
+            "down": w((E, "experts"), (I, "mlp"), (H, "embed")),
         }
     else:
-        layers["mlp"] = {
-            "gate": w((L, "layers"), (H, "embed"), (I, "mlp")),
-            "up": w((L, "layers"), (H, "embed"), (I, "mlp")),
-            "down": w((L, "layers"), (I, "mlp"), (H, "embed")),
+        layer["mlp"] = {
+            "gate": w((H, "embed"), (I, "mlp")),
+            "up": w((H, "embed"), (I, "mlp")),
+            "down": w((I, "mlp"), (H, "embed")),
         }
+    return layer
+
+
+def param_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:
+    """Every target parameter, once: shape, dtype, logical axes.
+
+    `layers` is a list with one tree per decoder layer, so each layer's weights are buffers of their own: a
+    forward reads them in place (slicing them out of arrays stacked over layers costs a copy per layer and
+    step on CPUs and GPUs).
+    """
+    H, V = cfg.hidden_size, cfg.vocab_size
     specs = {
-        "embed": w((V, "vocab"), (H, "embed")),
-        "layers": layers,
-        "final_norm": w((H, None), init="ones"),
+        "embed": ParamSpec((V, H), ("vocab", "embed"), dtype),
+        "layers": [layer_specs(cfg, dtype) for _ in range(cfg.num_layers)],
+        "final_norm": ParamSpec((H,), (None,), dtype, "ones"),
     }
     if not cfg.tie_word_embeddings:
-        specs["lm_head"] = w((H, "embed"), (V, "vocab"))
+        specs["lm_head"] = ParamSpec((H, V), ("embed", "vocab"), dtype)
     return specs
 
 
@@ -107,7 +115,7 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 
 
 def _attention(
-    p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v, layer, slots, mask, span: int
+    p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v, layer: int, slots, mask, span: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -119,9 +127,19 @@ def _attention(
     q = apply_rope(q, positions, cfg.rope)
     k = apply_rope(k, positions, cfg.rope)
     cache_k, cache_v = kv_cache.write(cache_k, cache_v, layer, slots, k, v)
-    out = attend(q, cache_k[layer, :, :span], cache_v[layer, :, :span], mask)  # [B, T, N, D]
+    out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span), mask)  # [B, T, N, D]
     out = linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
     return out, cache_k, cache_v
+
+
+def _decoder_layer(p: dict, cfg: TargetConfig, x: jax.Array, positions, ck, cv, layer: int, slots, mask, span: int):
+    """One pre-norm decoder layer: attention then (dense or sparse) MLP, each with a residual."""
+    attn, ck, cv = _attention(
+        p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ck, cv, layer, slots, mask, span
+    )
+    x = x + attn
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    return x + (sparse_moe(h, p["mlp"], cfg.experts_per_token) if cfg.is_moe else swiglu(h, p["mlp"])), ck, cv
 
 
 def output_head(params: dict, cfg: TargetConfig) -> jax.Array:
@@ -163,25 +181,14 @@ def forward(
     full_mask = kv_cache.window_mask(cache, mask, span)  # [B, T, span]
     slots = cache.lengths[:, None] + offset + jnp.arange(t)[None, :]  # [B, T]
     x = params["embed"][tokens]  # [B, T, H]
-    feats = jnp.zeros((len(feature_layers),) + x.shape, x.dtype)
-    layer_ids = jnp.asarray(feature_layers, jnp.int32)
-
-    def layer_step(carry, inputs):
-        x, ck, cv, feats = carry
-        p, i = inputs
-        feats = jnp.where((layer_ids == i)[:, None, None, None], x[None], feats)
-        h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-        attn, ck, cv = _attention(p, cfg, h, positions, ck, cv, i, slots, full_mask, span)
-        x = x + attn
-        h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-        mlp = sparse_moe(h, p["mlp"], cfg.experts_per_token) if cfg.is_moe else swiglu(h, p["mlp"])
-        return (x + mlp, ck, cv, feats), None
-
-    (x, ck, cv, feats), _ = jax.lax.scan(
-        layer_step, (x, cache.k, cache.v, feats), (params["layers"], jnp.arange(cfg.num_layers))
-    )
+    inputs = {}  # layer index -> its input, for the feature layers
+    ck, cv = cache.k, cache.v
+    for i, p in enumerate(params["layers"]):
+        if i in feature_layers:
+            inputs[i] = x
+        x, ck, cv = _decoder_layer(p, cfg, x, positions, ck, cv, i, slots, full_mask, span)
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    features = jnp.concatenate(list(feats), axis=-1) if feature_layers else x[..., :0]
+    features = jnp.concatenate([inputs[i] for i in feature_layers], axis=-1) if feature_layers else x[..., :0]
     logits = lm_logits(params, cfg, hidden) if compute_logits else None
     return TargetOutput(logits, hidden, features, dataclasses.replace(cache, k=ck, v=cv))
 

@@ -174,7 +174,7 @@ def ttt_loss(
     features = jax.lax.stop_gradient(features).astype(draft_params["fc"].dtype)  # compute in the draft's dtype
     h = draft.project_features(draft_params, dcfg, features)  # [B, T, H]
     q, k0, v0 = step_input(h, 0)
-    h = draft.post_attention(p, dcfg, attend(q, k0, v0, mask0), h)
+    h = draft.post_attention(p, dcfg, attend(q, jnp.swapaxes(k0, 1, 2), jnp.swapaxes(v0, 1, 2), mask0), h)
     first = step_loss(h, 0)
 
     def later_step(carry, j):

@@ -1,0 +1,153 @@
+"""Where a speculative cycle spends its time, next to a plain decode step, on the machine at hand.
+
+    python -m infer.profile [--target DIR --draft DIR] [--total-tokens 60 --depth 7 --tree-top-k 10 | --tree T]
+        [--batch 1] [--prompt-len 64] [--new-tokens 128] [--dtype fp32] [--json OUT]
+
+Both decoders run the same random prompts (B rows) after warm-up, as the jitted loops generation uses,
+over one attention span. Prints the plain step time, the cycle time, c = cycle / plain step - 1, tau
+and the speedup tau / (1 + c) decoding alone would give; the cycle split into its phases (draft levels,
+rerank, tree mask, verify, sample, accept, compact, draft catch-up) from one profiled run, as time per
+cycle (scaled to the untraced cycle) and share; and an op census of both compiled loops. Without
+--target, the demo pair.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from cli import command, demo
+from eagle_jax.decoding import plain, profiling, schedule, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_static
+from eagle_jax.errors import EagleError
+from eagle_jax.io import files, loading
+
+SAMPLING = SamplingConfig()
+
+
+def _best(run, repeats: int) -> float:
+    """The fastest of `repeats` timed runs (seconds), after one untimed run."""
+    jax.block_until_ready(run())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def profile(models, tree: TreeConfig, batch: int, prompt_len: int, new_tokens: int, repeats: int = 5) -> dict:
+    tcfg, tparams, dcfg, dparams = models
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(3, tcfg.vocab_size, (batch, prompt_len)).tolist()
+    p = speculative.prepare(prompts, new_tokens, tree, tcfg)
+    span = schedule.attention_span(prompt_len + new_tokens + tree.cache_overhead, p.capacity)
+    key = jax.random.key(0)
+    static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=SAMPLING)
+
+    def spec_state():
+        return speculative.prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
+
+    def plain_state():
+        cache, first = plain.prefill(tparams, p.tokens, p.lengths, key, cfg=tcfg, sc=SAMPLING, capacity=p.capacity)
+        return plain.init_state(cache, first, p.limits, tcfg)
+
+    def run_spec(state=None):
+        return speculative.run_span(tparams, dparams, state or spec_state(), span=span, **static)
+
+    def run_plain(state=None):
+        return plain.decode_span(tparams, state or plain_state(), key, cfg=tcfg, sc=SAMPLING, span=span)
+
+    done = jax.block_until_ready(run_spec())
+    cycles, emitted = int(done.cycle), int(np.sum(done.counts))
+    states = [jax.block_until_ready(spec_state()) for _ in range(repeats + 1)]
+    cycle_s = _best(lambda: run_spec(states.pop()), repeats) / cycles
+    plain_states = [jax.block_until_ready(plain_state()) for _ in range(repeats + 1)]
+    step_s = _best(lambda: run_plain(plain_states.pop()), repeats) / (new_tokens - 1)
+    spec_compiled = speculative.run_span.lower(tparams, dparams, spec_state(), span=span, **static).compile()
+    plain_compiled = plain.decode_span.lower(tparams, plain_state(), key, cfg=tcfg, sc=SAMPLING, span=span).compile()
+    traced = profiling.phase_times(spec_compiled, lambda: run_spec(jax.block_until_ready(spec_state())))
+    scale = cycle_s * cycles / max(sum(traced.values()), 1e-12)
+    tau = emitted / (cycles * batch)
+    c = cycle_s / step_s - 1
+    return {
+        "tree": str(tree),
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "span": span,
+        "device": f"{jax.devices()[0].platform} ({jax.device_count()})",
+        "plain_step_ms": 1000 * step_s,
+        "cycle_ms": 1000 * cycle_s,
+        "c": c,
+        "tau": tau,
+        "decode_speedup": tau / (1 + c),
+        "phases_ms": {name: 1000 * traced.get(name, 0.0) * scale / cycles for name in (*profiling.PHASES, "other")},
+        "cycle_ops": profiling.op_census(spec_compiled),
+        "plain_step_ops": profiling.op_census(plain_compiled),
+    }
+
+
+def render(r: dict) -> str:
+    lines = [
+        f"tree {r['tree']}, batch {r['batch']}, prompt {r['prompt_len']} + {r['new_tokens']} tokens, "
+        f"span {r['span']}, {r['device']}",
+        f"plain step {r['plain_step_ms']:.3f} ms | cycle {r['cycle_ms']:.3f} ms | c {r['c']:.2f} | "
+        f"tau {r['tau']:.2f} | decode speedup tau/(1+c) {r['decode_speedup']:.2f}x",
+        "",
+        "phase            ms/cycle   share  (x plain step)",
+    ]
+    total = sum(r["phases_ms"].values())
+    for name, ms in r["phases_ms"].items():
+        lines.append(f"{name:15s} {ms:9.3f} {100 * ms / total:6.1f}%  {ms / r['plain_step_ms']:6.2f}")
+    for what in ("cycle_ops", "plain_step_ops"):
+        ops = r[what]
+        lines += ["", f"{what.replace('_', ' ')}: {sum(ops.values())} ops"] + [f"  {k}: {v}" for k, v in ops.items()]
+    return "\n".join(lines)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = command.ArgumentParser(prog="python -m infer.profile", description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
+    p.add_argument("--draft", help="store or official EAGLE head folder (default: the target store's, or the demo's)")
+    p.add_argument("--total-tokens", type=int, default=60)
+    p.add_argument("--depth", type=int, default=7)
+    p.add_argument("--tree-top-k", type=int, default=10)
+    p.add_argument("--tree", help="a static tree instead: 'mc_sim_7b_63' or a JSON list of rank paths")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtype", choices=tuple(command.DTYPES), default="fp32")
+    p.add_argument("--json", help="also write the figures to this JSON file")
+    a = p.parse_args(argv)
+    for name in ("batch", "prompt_len", "new_tokens"):
+        if getattr(a, name) < 1 + (name == "new_tokens"):
+            raise EagleError(f"--{name.replace('_', '-')} must be >= {1 + (name == 'new_tokens')}")
+    with command.flag("--tree"):
+        tree = parse_static(a.tree) if a.tree else DynamicTree(a.total_tokens, a.depth, a.tree_top_k)
+    target_path = a.target or demo.TARGET
+    draft_path = a.draft or (target_path if loading.holds_draft(target_path) else demo.DRAFT)
+    dtype = command.parse_dtype(a.dtype)
+    tcfg, tparams = loading.load_target(target_path, dtype)
+    dcfg, dparams = loading.load_draft(draft_path, tcfg, dtype=dtype)
+    report = profile(
+        (tcfg, jax.device_put(tparams), dcfg, jax.device_put(dparams)), tree, a.batch, a.prompt_len, a.new_tokens
+    )
+    print(render(report))
+    if a.json:
+        files.write_json_atomic(Path(a.json), {**report, "target": str(target_path), "draft": str(draft_path)})
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return command.run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
