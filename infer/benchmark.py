@@ -1,67 +1,50 @@
 """Speculative vs plain decoding of one target on benchmark questions: tau, tokens/s, speedup, c, n-alpha.
 
-    python -m infer.benchmark --questions data/eval/mt_bench.jsonl [--limit N] [--temperature 0]
+    python -m infer.benchmark --questions data/eval/mt_bench.jsonl [--limit N] [--batch B] [--temperature 0]
         [--max-new-tokens N] [--target DIR --draft DIR] [--json OUT]
-        [--total-tokens N --depth D --tree-top-k K | --auto-budget]
+        [--total-tokens N --depth D --tree-top-k K | --auto-budget [--save-budget FILE --budget-batches 1,4,8,16]]
 
-Questions are upstream's format (one JSON object a line: question_id, category, turns[]). A
-multi-turn question is answered turn by turn: each turn's prompt is the chat history (earlier user
-turns and the plain decoder's answers) rendered with the tokenizer's chat template. Every turn is
-generated twice in the same process, speculatively (engine) and plainly (eagle_jax.generate), in
-alternating order, after a warm-up that compiles each prompt bucket (prefill and every attention
-span of its cache) outside the timings. Both use the same cache capacity, sized per turn as
-infer.generate does (prompt bucket + budget + one tree). Times include prefill.
+Questions are upstream's format (one JSON object a line: question_id, category, turns[]). A multi-turn
+question is answered turn by turn: each turn's prompt is the chat history (earlier user turns and the
+plain decoder's answers) rendered with the tokenizer's chat template. --batch B decodes B questions'
+turns together (rows of different lengths), both ways. Every batch is generated twice in the same
+process, speculatively and plainly, in alternating order, after a warm-up that compiles its prompt
+bucket (prefill and every attention span of its cache) outside the timings. Both use the same cache
+capacity, sized as infer.generate does (prompt bucket + budget + one tree). Times include prefill.
 
 Reported per file, per category and overall: tau (tokens per cycle), tokens/s both ways, speedup,
-c = (speculative cycle time) / (plain decode step time, i.e. one target forward over one token) - 1,
-measured in this run, n-alpha per depth (acceptance rate at depth n given depth n-1 was accepted),
-and mismatches (greedy: questions whose speculative output differs from the plain one).
-Writes JSON (--json, default runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
+c = (speculative cycle time) / (plain decode step time) - 1, measured in this run, n-alpha per depth
+(acceptance rate at depth n given depth n-1 was accepted), and mismatches (greedy: questions whose
+speculative output differs from the plain one). Writes JSON (--json, default
+runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
 
---auto-budget times speculative cycles of ten tree envelopes (chains of 3-7 drafts, deep narrow trees
-of 8-24 nodes, wide ones up to 60 / 7 / 10) on the machine at hand, on calibration questions from
-the ends of the files, and uses the envelope with the highest measured tokens/s (tau / cycle time;
-median of three interleaved rounds); it also reports the target forward over that many tokens
-against one token.
+Without a tree the envelope is the one measured fastest on this machine for the batch size (the head's
+budget.json or a cached measurement, see `cli.budget`; plain decoding when none wins). --auto-budget
+measures plain decoding and eleven envelopes (chains of 2-7 drafts, narrow and wide trees up to
+60 / 7 / 10) here, on calibration questions from the ends of the files, and uses the fastest;
+--save-budget writes those measurements for --budget-batches as a budget.json.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from cli import demo
-from eagle_jax.decoding import acceptance, plain, schedule, speculative
-from eagle_jax.decoding.sampling import SamplingConfig, argmax
+from cli import budget as cli_budget
+from cli import command, demo
+from eagle_jax.decoding import acceptance, budget, plain, schedule, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
-from eagle_jax.io import loading
-from eagle_jax.models import kv_cache, target
+from eagle_jax.io import files, loading
 from eagle_jax.training import data
-
-# (total_tokens, depth, top_k): chains of 3-7 drafts (top-k 1, depth + 1 levels: what an accurate head wants
-# where verifying is not free), deep narrow trees of 8-24 nodes, and wide ones up to upstream's 60 / 7 / 10
-AUTO_CANDIDATES = (
-    (4, 2, 1),
-    (5, 3, 1),
-    (6, 4, 1),
-    (8, 6, 1),
-    (8, 5, 2),
-    (12, 5, 2),
-    (16, 6, 2),
-    (24, 7, 2),
-    (32, 7, 4),
-    (60, 7, 10),
-)
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:
@@ -89,13 +72,12 @@ def read_questions(path: Path, limit: int | None) -> list[dict]:
 
 
 class Runner:
-    """One target + draft + tokenizer; times plain and speculative generation of one prompt."""
+    """One target + draft + tokenizer; times plain and speculative generation of a batch of prompts."""
 
     def __init__(
         self,
         target_dir,
         draft_dir,
-        tree,
         temperature: float,
         max_new_tokens: int,
         max_prompt_tokens: int,
@@ -103,23 +85,27 @@ class Runner:
         seed: int = 0,
     ):
         # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
+        self.paths = (Path(target_dir), Path(draft_dir))
         self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32)
         self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)
+        self.tparams, self.dparams = jax.device_put((self.tparams, self.dparams))
         self.tokenizer = data.chat_tokenizer(target_dir, chat_template)
         self.sampling = SamplingConfig(temperature=temperature)
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
-        self.set_tree(tree)
+        self.tree: DynamicTree | None = None
         self._warm: set = set()
 
-    def set_tree(self, tree) -> None:
-        total, depth, top_k = tree
-        self.tree = DynamicTree(total_tokens=total, depth=depth, top_k=top_k)
-        self.capacity = self.capacity_for(self.max_prompt_tokens)  # the largest any turn gets
+    @property
+    def models(self) -> tuple:
+        return self.tcfg, self.tparams, self.dcfg, self.dparams
+
+    def set_tree(self, tree: DynamicTree | None) -> None:
+        """The envelope of the speculative side; None: plain decoding there too."""
+        self.tree = tree
         self._warm = set()
 
-    # ------------------------------------------------------------ prompts
     def prompt(self, history: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -128,16 +114,18 @@ class Runner:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def capacity_for(self, prompt_len: int) -> int:
-        """A turn's cache capacity, as infer.generate sizes it: its prompt bucket + the budget + one tree."""
-        return schedule.plan([prompt_len], self.max_new_tokens, self.tree.cache_overhead).capacity
+    def prepare(self, prompts: list[list[int]], max_new_tokens: int) -> schedule.Prompts:
+        """Both decoders' layout: the capacity holds prompt bucket + budget + one cycle's tree."""
+        overhead = self.tree.cache_overhead if self.tree else 0
+        return schedule.prepare(
+            prompts, max_new_tokens, overhead, None, self.tcfg.rope.max_position_embeddings, self.tcfg.pad_token_id or 0
+        )
 
-    def prepare(self, ids: list[int], max_new_tokens: int) -> schedule.Prompts:
-        return speculative.prepare([ids], max_new_tokens, self.tree, self.tcfg, self.capacity_for(len(ids)))
+    def _static(self) -> dict:
+        return dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
 
-    # ------------------------------------------------------------ timed runs
-    def plain(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
-        p = self.prepare(ids, max_new_tokens or self.max_new_tokens)
+    def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
+        p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
         key = jax.random.key(self.seed)
         t0 = time.perf_counter()
         cache, first = jax.block_until_ready(
@@ -148,88 +136,96 @@ class Runner:
             plain.decode(self.tparams, cache, first, p.limits, key, cfg=self.tcfg, sc=self.sampling)
         )
         t2 = time.perf_counter()
-        toks = plain.result(state, p.tokens.shape[1]).tokens[0]
+        tokens = plain.result(state, p.tokens.shape[1]).tokens
         return {
-            "tokens": toks,
+            "tokens": tokens,
+            "accept_lengths": [[0] * len(t) for t in tokens],
             "prefill_s": t1 - t0,
             "decode_s": t2 - t1,
             "seconds": t2 - t0,
-            "steps": max(0, len(toks) - 1),
+            "steps": int(state.step) - 1,
         }
 
-    def speculative(self, ids: list[int], max_new_tokens: int | None = None) -> dict:
-        p = self.prepare(ids, max_new_tokens or self.max_new_tokens)
-        static = dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
+    def speculative(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
+        if self.tree is None:
+            res = self.plain(prompts, max_new_tokens)
+            return {**res, "cycles": res.pop("steps") + 1}
+        p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
+        key = jax.random.key(self.seed)
         t0 = time.perf_counter()
         state = jax.block_until_ready(
             speculative.prefill(
-                self.tparams,
-                self.dparams,
-                p.tokens,
-                p.lengths,
-                p.limits,
-                jax.random.key(self.seed),
-                capacity=p.capacity,
-                **static,
+                self.tparams, self.dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **self._static()
             )
         )
         t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, **static))
+        state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, **self._static()))
         t2 = time.perf_counter()
         res = speculative.result(state)
         return {
-            "tokens": res.tokens[0],
-            "accept_lengths": res.accept_lengths[0],
+            "tokens": res.tokens,
+            "accept_lengths": res.accept_lengths,
             "prefill_s": t1 - t0,
             "decode_s": t2 - t1,
             "seconds": t2 - t0,
-            "cycles": len(res.accept_lengths[0]),
+            "cycles": int(state.cycle),
         }
 
-    def warm(self, ids: list[int]) -> None:
-        """Compile the prompt's bucket for both decoders, prefill and every attention span (untimed)."""
-        b = schedule.prompt_bucket(len(ids))
-        if b in self._warm:
+    def warm(self, prompts: list[list[int]]) -> None:
+        """Run the batch's prompt bucket through both decoders once, over every attention span, so that the timed
+        runs find every program compiled and run before (XLA:CPU finishes some kernels on their first run)."""
+        shape = (len(prompts), schedule.prompt_bucket(max(map(len, prompts))))
+        if shape in self._warm:
             return
-        p = self.prepare(ids, 1)
-        key, idle = jax.random.key(self.seed), p.limits * 0  # rows with no budget: every loop exits at once
-        static = dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
-        cache, first = plain.prefill(
-            self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity
-        )
-        plain_state = plain.init_state(cache, first, idle, self.tcfg)
-        spec_state = speculative.prefill(
-            self.tparams, self.dparams, p.tokens, p.lengths, idle, key, capacity=p.capacity, **static
-        )
-        for span in schedule.all_spans(p.capacity):
-            plain_state = plain.decode_span(self.tparams, plain_state, key, cfg=self.tcfg, sc=self.sampling, span=span)
-            spec_state = speculative.run_span(self.tparams, self.dparams, spec_state, span=span, **static)
-        jax.block_until_ready((plain_state, spec_state))
-        self._warm.add(b)
+        p = self.prepare(prompts, self.max_new_tokens)
+        key, few = jax.random.key(self.seed), p.limits * 0 + 2  # a cycle or two in each span
+        for span in schedule.all_spans(p.capacity):  # fresh states: the loops consume (donate) theirs
+            cache, first = plain.prefill(
+                self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity
+            )
+            state = plain.init_state(cache, first, few, self.tcfg)
+            jax.block_until_ready(
+                plain.decode_span(self.tparams, state, key, cfg=self.tcfg, sc=self.sampling, span=span)
+            )
+            if self.tree is not None:
+                state = speculative.prefill(
+                    self.tparams, self.dparams, p.tokens, p.lengths, few, key, capacity=p.capacity, **self._static()
+                )
+                jax.block_until_ready(
+                    speculative.run_span(self.tparams, self.dparams, state, span=span, **self._static())
+                )
+        self._warm.add(shape)
 
 
 # ---------------------------------------------------------------- statistics
 
 
-def summarise(records: list[dict], max_accept: int) -> dict:
-    """Aggregate turn records (each with plain and spec timings) into the reported figures."""
+def summarise(records: list[dict], timings: dict[int, dict], max_accept: int) -> dict:
+    """Aggregate row records (question turns) into the reported figures. Times are per batch (`timings`, by
+    batch id); a subset of a batch's rows gets the batch's time in proportion to its share of the tokens."""
     spec_tokens = sum(len(r["spec"]["tokens"]) for r in records)
     plain_tokens = sum(len(r["plain"]["tokens"]) for r in records)
-    spec_s = sum(r["spec"]["seconds"] for r in records)
-    plain_s = sum(r["plain"]["seconds"] for r in records)
-    cycles = sum(r["spec"]["cycles"] for r in records)
-    cycle_s = sum(r["spec"]["decode_s"] for r in records) / max(1, cycles)
-    steps = sum(r["plain"]["steps"] for r in records)
-    step_s = sum(r["plain"]["decode_s"] for r in records) / max(1, steps)
-    acc = [a for r in records for a in r["spec"]["accept_lengths"]]
-    hist = acceptance.accept_histogram(acc, max_accept)
-    n_alpha = [None if a is None else round(a, 4) for a in acceptance.n_alpha(hist)]
+    cycles = sum(len(r["spec"]["accept_lengths"]) for r in records)
+
+    def share(side: str, what: str) -> float:
+        total = 0.0
+        for bid, t in timings.items():
+            mine = sum(len(r[side]["tokens"]) for r in records if r["batch"] == bid)
+            total += t[side][what] * mine / max(1, t[side]["tokens"])
+        return total
+
+    spec_s, plain_s = share("spec", "seconds"), share("plain", "seconds")
+    batches = {r["batch"] for r in records}
+    loop_cycles = sum(timings[b]["spec"]["cycles"] for b in batches)
+    loop_steps = sum(timings[b]["plain"]["steps"] for b in batches)
+    cycle_s = sum(timings[b]["spec"]["decode_s"] for b in batches) / max(1, loop_cycles)
+    step_s = sum(timings[b]["plain"]["decode_s"] for b in batches) / max(1, loop_steps)
+    hist = acceptance.accept_histogram([a for r in records for a in r["spec"]["accept_lengths"]], max_accept)
     tps_spec = spec_tokens / spec_s if spec_s else 0.0
     tps_plain = plain_tokens / plain_s if plain_s else 0.0
-    questions = {r["question_id"] for r in records}
     bad = {r["question_id"] for r in records if r["mismatch"]}
     return {
-        "questions": len(questions),
+        "questions": len({r["question_id"] for r in records}),
         "turns": len(records),
         "tau": round(spec_tokens / max(1, cycles), 4),
         "tokens_per_s_spec": round(tps_spec, 2),
@@ -238,100 +234,15 @@ def summarise(records: list[dict], max_accept: int) -> dict:
         "c": round(cycle_s / step_s - 1, 4) if step_s else None,
         "cycle_ms": round(1000 * cycle_s, 3),
         "plain_step_ms": round(1000 * step_s, 3),
-        "prefill_ms_spec": round(1000 * sum(r["spec"]["prefill_s"] for r in records) / max(1, len(records)), 3),
-        "prefill_ms_plain": round(1000 * sum(r["plain"]["prefill_s"] for r in records) / max(1, len(records)), 3),
+        "prefill_ms_spec": round(1000 * share("spec", "prefill_s") / max(1, len(records)), 3),
+        "prefill_ms_plain": round(1000 * share("plain", "prefill_s") / max(1, len(records)), 3),
         "new_tokens_spec": spec_tokens,
         "new_tokens_plain": plain_tokens,
-        "n_alpha": n_alpha,
+        "n_alpha": [None if a is None else round(a, 4) for a in acceptance.n_alpha(hist)],
         "accept_histogram": hist,
         "mismatches": len(bad),
         "mismatched_questions": sorted(bad, key=str),
     }
-
-
-def target_forward_ms(runner: Runner, n: int, reps: int = 20) -> float:
-    """Milliseconds of one target forward over n new tokens (logits and argmax included) against a
-    half-full cache, attending over the span decoding would use there: what verifying an n-node tree
-    costs. Timed as `reps` forwards inside one jitted loop, so dispatch does not count."""
-    ctx = min(256, runner.capacity // 2)
-    cache = kv_cache.set_lengths(target.init_cache(runner.tcfg, 1, runner.capacity), jnp.full((1,), ctx, jnp.int32))
-
-    @jax.jit
-    def forwards(params, cache):
-        def one(i, cache):
-            tokens = jnp.full((1, n), i, jnp.int32)
-            out = target.forward(
-                params,
-                runner.tcfg,
-                tokens,
-                cache.lengths[:, None] + jnp.arange(n)[None],
-                cache,
-                span=schedule.attention_span(ctx + n, runner.capacity),
-            )
-            # lengths stay at ctx, but depend on the logits so that nothing is skipped
-            return kv_cache.advance(out.cache, jnp.minimum(jnp.sum(argmax(out.logits)), 0)[None])
-
-        return jax.lax.fori_loop(0, reps, one, cache).lengths
-
-    forwards(runner.tparams, cache).block_until_ready()
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        forwards(runner.tparams, cache).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times) / reps
-
-
-def auto_budget(
-    runner: Runner, prompts: list[list[int]], candidates, max_new_tokens: int, log, rounds: int = 3
-) -> dict:
-    """Measure tokens/s of each tree envelope on the calibration prompts; pick the fastest.
-
-    After one compiling pass, the candidates are timed in `rounds` interleaved rounds, so that a slow
-    spell of the machine does not land on one candidate only; each gets its median round."""
-    verify_ms = {n: target_forward_ms(runner, n) for n in sorted({1} | {c[0] for c in candidates})}
-    for cand in candidates:
-        runner.set_tree(cand)
-        for ids in prompts:
-            runner.warm(ids)
-    runs: dict[tuple, list[tuple[int, int, float]]] = {c: [] for c in candidates}  # (tokens, cycles, seconds)
-    for _ in range(rounds):
-        for cand in candidates:
-            runner.set_tree(cand)
-            done = [runner.speculative(ids, max_new_tokens) for ids in prompts]
-            runs[cand].append(
-                (sum(len(r["tokens"]) for r in done), sum(r["cycles"] for r in done), sum(r["decode_s"] for r in done))
-            )
-    rows = []
-    for cand in candidates:
-        tokens, cycles, seconds = sorted(runs[cand], key=lambda r: r[0] / r[2])[rounds // 2]
-        row = {
-            "total_tokens": cand[0],
-            "depth": cand[1],
-            "top_k": cand[2],
-            "tau": round(tokens / max(1, cycles), 3),
-            "cycle_ms": round(1000 * seconds / max(1, cycles), 3),
-            "tokens_per_s": round(tokens / seconds, 2),
-            "verify_ms": round(verify_ms[cand[0]], 3),
-            "verify_over_one_token": round(verify_ms[cand[0]] / verify_ms[1], 3),
-        }
-        rows.append(row)
-        log(
-            f"auto-budget: total_tokens={cand[0]} depth={cand[1]} top_k={cand[2]}: tau {row['tau']}, "
-            f"cycle {row['cycle_ms']} ms, {row['tokens_per_s']} tokens/s (target over {cand[0]} tokens: "
-            f"{row['verify_over_one_token']}x one token)"
-        )
-    best = max(rows, key=lambda r: r["tokens_per_s"])
-    runner.set_tree((best["total_tokens"], best["depth"], best["top_k"]))
-    return {
-        "chosen": {k: best[k] for k in ("total_tokens", "depth", "top_k")},
-        "candidates": rows,
-        "rounds": rounds,
-        "target_forward_ms": {str(k): round(v, 3) for k, v in verify_ms.items()},
-    }
-
-
-# ---------------------------------------------------------------- reports
 
 
 def markdown(report: dict) -> str:
@@ -350,11 +261,15 @@ def markdown(report: dict) -> str:
         )
 
     t = report["tree"]
+    tree = (
+        "plain decoding"
+        if t is None
+        else f"tree total_tokens={t['total_tokens']} depth={t['depth']} top_k={t['top_k']}"
+    )
     lines = [
         f"# Benchmark: {report['target']} + {report['draft']}\n\n",
-        f"tree: total_tokens={t['total_tokens']} depth={t['depth']} top_k={t['top_k']}"
-        f"{' (auto-budget)' if report.get('auto_budget') else ''}; temperature {report['temperature']}; "
-        f"max_new_tokens {report['max_new_tokens']}; device {report['device']}\n\n",
+        f"{tree}{' (auto-budget)' if report.get('auto_budget') else ''}; batch {report['batch']}; temperature "
+        f"{report['temperature']}; max_new_tokens {report['max_new_tokens']}; device {report['device']}\n\n",
         head,
         row("**all**", report),
     ]
@@ -373,16 +288,15 @@ def markdown(report: dict) -> str:
         f"{report['prefill_ms_spec']:.1f} ms (speculative, target + draft) / "
         f"{report['prefill_ms_plain']:.1f} ms (plain)\n"
     )
-    if report.get("auto_budget"):
-        lines.append(
-            "\n| total_tokens | depth | top_k | tau | cycle ms | tok/s | target(N)/target(1) |\n"
-            "|---|---|---|---|---|---|---|\n"
-        )
-        for r in report["auto_budget"]["candidates"]:
-            lines.append(
-                f"| {r['total_tokens']} | {r['depth']} | {r['top_k']} | {r['tau']:.2f} | {r['cycle_ms']:.2f}"
-                f" | {r['tokens_per_s']:.1f} | {r['verify_over_one_token']:.2f} |\n"
+    for b, rows in (report.get("auto_budget") or {}).get("measured", {}).items():
+        lines.append(f"\nauto-budget, batch {b}:\n\n| envelope | tau | tokens/s |\n|---|---|---|\n")
+        for r in rows:
+            name = (
+                "plain"
+                if r["tree"] is None
+                else "/".join(str(r["tree"][k]) for k in ("total_tokens", "depth", "top_k"))
             )
+            lines.append(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |\n")
     return "".join(lines)
 
 
@@ -412,9 +326,10 @@ def plot(report: dict, path: Path) -> None:
     axes[2].set_ylabel("n-alpha")
     axes[2].set_ylim(0, 1)
     t = report["tree"]
+    tree = "plain" if t is None else f"tree {t['total_tokens']}/{t['depth']}/{t['top_k']}"
     fig.suptitle(
-        f"tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x, c {report['c']:.2f} "
-        f"(tree {t['total_tokens']}/{t['depth']}/{t['top_k']})"
+        f"tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x, c {report['c']:.2f} ({tree}, batch "
+        f"{report['batch']})"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -424,100 +339,130 @@ def plot(report: dict, path: Path) -> None:
 # ---------------------------------------------------------------- main
 
 
-def calibration_questions(files: list[Path], args) -> list[dict]:
-    """--calibration-prompts questions for --auto-budget, taken round-robin from the ends of the files, so
-    that with --limit they are not the measured ones (unless a file has no others)."""
-    tails = [read_questions(f, None)[::-1] for f in files]
-    picked = [t[i] for i in range(max(map(len, tails))) for t in tails if i < len(t)]
-    return picked[: args.calibration_prompts]
+def calibration_questions(files_: list[Path], n: int) -> list[dict]:
+    """n questions for --auto-budget, taken round-robin from the ends of the files, so that with --limit they
+    are not the measured ones (unless a file has no others)."""
+    tails = [read_questions(f, None)[::-1] for f in files_]
+    return [t[i] for i in range(max(map(len, tails))) for t in tails if i < len(t)][:n]
+
+
+def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[DynamicTree | None, dict | None]:
+    """The envelope: the flags', or measured here (--auto-budget), or the machine's budget; with what
+    --auto-budget measured."""
+    if args.total_tokens is not None:
+        return DynamicTree(args.total_tokens, args.depth, args.tree_top_k), None
+    calibration = [
+        runner.prompt([{"role": "user", "content": q["turns"][0]}])
+        for q in calibration_questions(files_, args.calibration_prompts)
+    ]
+    if not args.auto_budget:
+        return cli_budget.default_tree(runner.models, runner.paths, args.batch, calibration, log=log), None
+    batches = sorted({args.batch, *(args.budget_batches if args.save_budget else ())})
+    measured = budget.calibrate(
+        runner.tparams,
+        runner.tcfg,
+        runner.dparams,
+        runner.dcfg,
+        calibration,
+        batches,
+        min(128, args.max_new_tokens),
+        log=log,
+    )
+    if args.save_budget:
+        files.write_json_atomic(Path(args.save_budget), measured.to_json())
+        log(f"wrote {args.save_budget}")
+    return measured.choices[args.batch], measured.to_json()
 
 
 def run_benchmark(args, log=print) -> dict:
-    files = [Path(q) for q in args.questions]
-    sets = {f.stem: read_questions(f, args.limit) for f in files}
-    tree = (args.total_tokens, args.depth, args.tree_top_k)
+    files_ = [Path(q) for q in args.questions]
+    sets = {f.stem: read_questions(f, args.limit) for f in files_}
     runner = Runner(
         args.target,
         args.draft,
-        tree,
         args.temperature,
         args.max_new_tokens,
         args.max_prompt_tokens,
         args.chat_template,
         args.seed,
     )
-    max_accept = runner.tree.max_depth
-    auto = None
-    if args.auto_budget:
-        calib = [
-            runner.prompt([{"role": "user", "content": q["turns"][0]}]) for q in calibration_questions(files, args)
-        ]
-        auto = auto_budget(runner, calib, AUTO_CANDIDATES, min(128, args.max_new_tokens), log)
-        max_accept = runner.tree.max_depth
-        c = auto["chosen"]
-        log(f"auto-budget chose total_tokens={c['total_tokens']} depth={c['depth']} top_k={c['top_k']}")
+    tree, auto = choose_tree(runner, args, files_, log)
+    runner.set_tree(tree)
+    log(f"envelope for batch {args.batch}: {tree if tree else 'plain decoding (no envelope wins here)'}")
+    max_accept = tree.max_depth if tree else 0
     greedy = runner.sampling.greedy
     records: list[dict] = []
-    total_turns = sum(len(q["turns"]) for qs in sets.values() for q in qs)
-    bar = tqdm(total=total_turns, unit="turn", file=sys.stderr, disable=args.quiet)
-    k = 0
-    for name, qs in sets.items():
-        for q in qs:
-            history: list[dict] = []
-            for turn, text in enumerate(q["turns"]):
-                history.append({"role": "user", "content": text})
-                ids = runner.prompt(history)
-                runner.warm(ids)
-                if k % 2 == 0:
-                    spec, plain = runner.speculative(ids), None
-                    plain = runner.plain(ids)
-                else:
-                    plain = runner.plain(ids)
-                    spec = runner.speculative(ids)
-                k += 1
-                mismatch = greedy and spec["tokens"] != plain["tokens"]
+    timings: dict[int, dict] = {}
+    questions = [(name, q) for name, qs in sets.items() for q in qs]
+    bar = tqdm(total=sum(len(q["turns"]) for _, q in questions), unit="turn", file=sys.stderr, disable=args.quiet)
+    for start in range(0, len(questions), args.batch):
+        group = questions[start : start + args.batch]
+        histories: list[list[dict]] = [[] for _ in group]
+        for turn in range(max(len(q["turns"]) for _, q in group)):
+            rows = [i for i, (_, q) in enumerate(group) if turn < len(q["turns"])]
+            for i in rows:
+                histories[i].append({"role": "user", "content": group[i][1]["turns"][turn]})
+            prompts = [runner.prompt(histories[i]) for i in rows]
+            runner.warm(prompts)
+            bid = len(timings)
+            first, second = (runner.speculative, runner.plain) if bid % 2 == 0 else (runner.plain, runner.speculative)
+            out = {first.__name__: first(prompts), second.__name__: second(prompts)}
+            spec, base = out["speculative"], out["plain"]
+            timings[bid] = {
+                side: {
+                    **{k: v for k, v in res.items() if k not in ("tokens", "accept_lengths")},
+                    "tokens": sum(map(len, res["tokens"])),
+                }
+                for side, res in (("spec", spec), ("plain", base))
+            }
+            for j, i in enumerate(rows):
+                name, q = group[i]
                 records.append(
                     {
                         "file": name,
                         "question_id": q["question_id"],
                         "category": q["category"],
                         "turn": turn,
-                        "prompt_tokens": len(ids),
-                        "spec": spec,
-                        "plain": plain,
-                        "mismatch": mismatch,
+                        "prompt_tokens": len(prompts[j]),
+                        "batch": bid,
+                        "spec": {"tokens": spec["tokens"][j], "accept_lengths": spec["accept_lengths"][j]},
+                        "plain": {"tokens": base["tokens"][j]},
+                        "mismatch": greedy and spec["tokens"][j] != base["tokens"][j],
                     }
                 )
-                history.append({"role": "assistant", "content": runner.decode(plain["tokens"])})
-                bar.update(1)
-                tau = sum(len(r["spec"]["tokens"]) for r in records) / max(1, sum(r["spec"]["cycles"] for r in records))
-                bar.set_postfix(tau=f"{tau:.2f}")
+                histories[i].append({"role": "assistant", "content": runner.decode(base["tokens"][j])})
+            bar.update(len(rows))
+            tau = sum(len(r["spec"]["tokens"]) for r in records) / max(
+                1, sum(len(r["spec"]["accept_lengths"]) for r in records)
+            )
+            bar.set_postfix(tau=f"{tau:.2f}")
     bar.close()
-    report = summarise(records, max_accept)
-    if not greedy:
-        report["mismatches"] = None
-        report["mismatched_questions"] = None
-    t = runner.tree
+    report = summarise(records, timings, max_accept)
+    groups = {
+        "files": {n: [r for r in records if r["file"] == n] for n in sets},
+        "categories": {
+            c: [r for r in records if r["category"] == c] for c in dict.fromkeys(r["category"] for r in records)
+        },
+    }
     report.update(
         {
             "target": str(args.target),
             "draft": str(args.draft),
             "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens,
-            "device": f"{jax.devices()[0].platform} ({jax.device_count()})",
-            "tree": {"total_tokens": t.total_tokens, "depth": t.depth, "top_k": t.top_k},
-            "question_files": [str(f) for f in files],
-            "files": {n: summarise([r for r in records if r["file"] == n], max_accept) for n in sets},
-            "categories": {
-                c: summarise([r for r in records if r["category"] == c], max_accept)
-                for c in dict.fromkeys(r["category"] for r in records)
-            },
+            "batch": args.batch,
+            "device": budget.device_kind(),
+            "tree": None
+            if tree is None
+            else {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k},
+            "question_files": [str(f) for f in files_],
+            **{kind: {n: summarise(rs, timings, max_accept) for n, rs in g.items()} for kind, g in groups.items()},
             "auto_budget": auto,
         }
     )
     if not greedy:
-        for group in list(report["files"].values()) + list(report["categories"].values()):
-            group["mismatches"] = None
+        for group in [report, *report["files"].values(), *report["categories"].values()]:
+            group["mismatches"] = group["mismatched_questions"] = None
     if args.save_outputs:
         report["outputs"] = [
             {
@@ -533,22 +478,25 @@ def run_benchmark(args, log=print) -> dict:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = command.ArgumentParser(prog="python -m infer.benchmark", description=__doc__.splitlines()[0])
     ap.add_argument(
         "--questions", nargs="+", required=True, help="question files (JSONL: question_id, category, turns)"
     )
     ap.add_argument("--limit", type=int, default=None, help="first N questions of each file")
+    ap.add_argument("--batch", type=int, default=1, help="questions decoded together")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their last tokens")
     ap.add_argument("--target", default=str(demo.TARGET))
     ap.add_argument("--draft", default=str(demo.DRAFT))
     ap.add_argument("--chat-template", default=None, help="jinja file, if the tokenizer has no chat template")
-    ap.add_argument("--total-tokens", type=int, default=demo.TREE.total_tokens)
-    ap.add_argument("--depth", type=int, default=demo.TREE.depth)
-    ap.add_argument("--tree-top-k", type=int, default=demo.TREE.top_k)
-    ap.add_argument("--auto-budget", action="store_true", help="pick the tree envelope by timing it here")
-    ap.add_argument("--calibration-prompts", type=int, default=8, help="--auto-budget: prompts timed per tree")
+    ap.add_argument("--total-tokens", type=int, default=None, help="tree nodes including the root")
+    ap.add_argument("--depth", type=int, default=None)
+    ap.add_argument("--tree-top-k", type=int, default=None)
+    ap.add_argument("--auto-budget", action="store_true", help="measure the envelopes here and use the fastest")
+    ap.add_argument("--calibration-prompts", type=int, default=4, help="--auto-budget: calibration questions")
+    ap.add_argument("--save-budget", default=None, help="--auto-budget: write the measurements as a budget.json")
+    ap.add_argument("--budget-batches", default="1,4,8,16", help="--save-budget: batch sizes to measure")
     ap.add_argument(
         "--json",
         default=None,
@@ -558,31 +506,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
-    if args.auto_budget and any(a in (argv or sys.argv) for a in ("--total-tokens", "--depth", "--tree-top-k")):
-        ap.error("--auto-budget chooses the tree: drop --total-tokens/--depth/--tree-top-k")
+    tree_flags = [args.total_tokens, args.depth, args.tree_top_k]
+    if any(x is not None for x in tree_flags) and (args.auto_budget or None in tree_flags):
+        raise EagleError(
+            "give all of --total-tokens, --depth, --tree-top-k, or none of them (with --auto-budget "
+            "or the machine's budget choosing)"
+        )
+    if args.save_budget and not args.auto_budget:
+        raise EagleError("--save-budget writes what --auto-budget measures: add --auto-budget")
+    if args.batch < 1:
+        raise EagleError(f"--batch must be >= 1, got {args.batch}")
+    with command.flag("--budget-batches"):
+        args.budget_batches = [int(b) for b in args.budget_batches.split(",") if b.strip()]
     return args
 
 
-def main(argv=None) -> None:
+def _main(argv=None) -> int:
     args = parse_args(argv)
     log = (lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    try:
-        report = run_benchmark(args, log)
-    except EagleError as exc:
-        raise SystemExit(f"error: {exc}") from None
+    report = run_benchmark(args, log)
     out = (
         Path(args.json)
         if args.json
         else Path("runs/benchmark") / ("_".join(Path(q).stem for q in args.questions) + ".json")
     )
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    files.write_text_atomic(out, json.dumps(report, indent=2) + "\n")
     md = markdown(report)
-    out.with_suffix(".md").write_text(md)
+    files.write_text_atomic(out.with_suffix(".md"), md)
     plot(report, out.with_suffix(".png"))
     print(md)
     print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from cli import command, demo, presets
+from cli import budget, command, demo, presets
 from eagle_jax.decoding import plain, programs, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult
@@ -52,6 +52,7 @@ CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns d
 @dataclasses.dataclass(frozen=True)
 class Settings:
     tree: TreeConfig | None  # None: plain decoding
+    auto_tree: bool  # no tree given: the envelope measured fastest here for the batch (`cli.budget`)
     sampling: SamplingConfig
     max_new_tokens: int
     seed: int
@@ -88,9 +89,9 @@ def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
     return a
 
 
-def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig:
-    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's (or the demo's) tree, else
-    upstream defaults."""
+def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig | None:
+    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's tree (else upstream's 60 / 7 / 10);
+    None when no tree is given at all (the budget chooses)."""
     dynamic = {
         k: v
         for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k))
@@ -101,7 +102,9 @@ def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeCon
             raise EagleError("--tree (a static tree) cannot be combined with --total-tokens/--depth/--tree-top-k")
         with command.flag("--tree"):
             return parse_static(a.tree)
-    base = preset.tree if preset is not None else demo.TREE if a.demo else DynamicTree()
+    if not dynamic and (preset is None or a.auto_budget):
+        return None
+    base = preset.tree if preset is not None else DynamicTree()
     if not dynamic:
         return base
     return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic)
@@ -121,7 +124,9 @@ def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> 
     if a.max_len is not None and a.max_len < 2:
         raise EagleError(f"--max-len {a.max_len} must be >= 2")
     tree = None if a.no_spec else tree_config(a, preset)
-    return Settings(tree, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
+    return Settings(
+        tree, not a.no_spec and tree is None, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup
+    )
 
 
 # ---------------------------------------------------------------- models
@@ -408,11 +413,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="then time speculative and plain decoding of the same prompts (after warm-up) and print the speedup",
     )
-    tree = p.add_argument_group("draft tree (EAGLE-2 dynamic by default: 60 / 7 / 10)")
+    tree = p.add_argument_group("draft tree (default: the envelope measured fastest on this machine for the batch)")
     tree.add_argument("--total-tokens", type=int, help="tree nodes including the root")
     tree.add_argument("--depth", type=int, help="expansion steps (depth + 1 draft levels)")
     tree.add_argument("--tree-top-k", type=int, help="children per node and frontier width")
     tree.add_argument("--tree", help="static tree: 'static' / 'mc_sim_7b_63' or a JSON list of rank paths")
+    tree.add_argument(
+        "--auto-budget",
+        action="store_true",
+        help="measure the envelopes again here (ignore the "
+        "head's budget.json and the cache) and use the fastest, or plain decoding if none wins",
+    )
     p.add_argument("--json", metavar="OUT", help="write output ids, accept lengths and statistics to OUT")
     a = p.parse_args(argv, namespace=argparse.Namespace(demo=False))
     if a.compare and a.no_spec:
@@ -453,7 +464,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if tok is not None and not a.raw and not use_template:
         print("note: the tokenizer has no chat template; prompts are used as raw text", file=sys.stderr)
     if ids is None and texts is None:
-        chat(m, tok, s, use_template, a.system)
+        chat(m, tok, resolve_tree(m, s, 1, tok, a.auto_budget), use_template, a.system)
         return 0
 
     if ids is not None:
@@ -465,6 +476,7 @@ def _main(argv: Sequence[str] | None) -> int:
     else:
         system = [{"role": "system", "content": a.system}] if a.system else []
         prompts = [encode(tok, system + [{"role": "user", "content": t}], use_template) for t in texts]
+    s = resolve_tree(m, s, len(prompts), tok, a.auto_budget, prompts)
     single = len(prompts) == 1
     if a.demo:
         print(
@@ -485,6 +497,27 @@ def _main(argv: Sequence[str] | None) -> int:
     if a.json:
         _write_json(a.json, doc)
     return 0
+
+
+def resolve_tree(
+    m: Models, s: Settings, batch: int, tok, recalibrate: bool, prompts: list[list[int]] | None = None
+) -> Settings:
+    """The settings with the envelope measured fastest for `batch` rows on this machine when none was given
+    (plain decoding when no envelope wins); calibrates on MT-bench first turns, or `prompts` without a tokenizer."""
+    if not s.auto_tree:
+        return s
+    calibration = budget.calibration_prompts(tok) if tok is not None else prompts
+    tree = budget.default_tree(
+        (m.tcfg, m.tparams, m.dcfg, m.dparams),
+        (m.target_dir, m.draft_dir),
+        batch,
+        calibration,
+        recalibrate,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    name = "plain decoding (no envelope beats it here)" if tree is None else f"tree {tree}"
+    print(f"batch {batch}: {name}", file=sys.stderr, flush=True)
+    return dataclasses.replace(s, tree=tree, auto_tree=False)
 
 
 def show_rows(o: Outcome, tok) -> None:

@@ -1,9 +1,11 @@
 """Shared fixtures. Eight virtual CPU devices are configured before jax is imported."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ["EAGLE_JAX_CACHE"] = tempfile.mkdtemp(prefix="eagle-jax-cache-")  # measured budgets stay out of $HOME
 
 from pathlib import Path  # noqa: E402
 

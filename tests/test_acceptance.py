@@ -43,22 +43,28 @@ def test_histogram_and_n_alpha_by_hand():
 def test_benchmark_summary_by_hand():
     from infer.benchmark import summarise
 
-    def turn(qid, spec_tokens, cycles, accepts, spec_s, spec_decode_s, plain_tokens, plain_s, plain_decode_s):
+    def turn(qid, batch, spec_tokens, accepts, plain_tokens):
         return {
             "question_id": qid,
+            "batch": batch,
             "category": "c",
             "file": "f",
             "mismatch": False,
+            "spec": {"tokens": [1] * spec_tokens, "accept_lengths": accepts},
+            "plain": {"tokens": [1] * plain_tokens},
+        }
+
+    def timing(tokens, cycles, seconds, decode_s, plain_tokens, plain_s, plain_decode_s):
+        return {
             "spec": {
-                "tokens": [1] * spec_tokens,
+                "tokens": tokens,
                 "cycles": cycles,
-                "accept_lengths": accepts,
-                "seconds": spec_s,
-                "decode_s": spec_decode_s,
-                "prefill_s": spec_s - spec_decode_s,
+                "seconds": seconds,
+                "decode_s": decode_s,
+                "prefill_s": seconds - decode_s,
             },
             "plain": {
-                "tokens": [1] * plain_tokens,
+                "tokens": plain_tokens,
                 "steps": plain_tokens - 1,
                 "seconds": plain_s,
                 "decode_s": plain_decode_s,
@@ -66,11 +72,9 @@ def test_benchmark_summary_by_hand():
             },
         }
 
-    records = [
-        turn(1, 30, 10, [2] * 10, 1.0, 0.8, 30, 2.0, 1.8),
-        turn(2, 10, 5, [1, 1, 0, 0, 3], 0.5, 0.4, 10, 1.0, 0.9),
-    ]
-    s = summarise(records, 3)
+    records = [turn(1, 0, 30, [2] * 10, 30), turn(2, 1, 10, [1, 1, 0, 0, 3], 10)]
+    timings = {0: timing(30, 10, 1.0, 0.8, 30, 2.0, 1.8), 1: timing(10, 5, 0.5, 0.4, 10, 1.0, 0.9)}
+    s = summarise(records, timings, 3)
     assert s["tau"] == round(40 / 15, 4)
     assert s["tokens_per_s_spec"] == round(40 / 1.5, 2) and s["tokens_per_s_plain"] == round(40 / 3.0, 2)
     assert s["speedup"] == round((40 / 1.5) / (40 / 3.0), 4)

@@ -78,7 +78,7 @@ def test_benchmark_writes_contract(golden_with_template, tmp_path):
     for k in CONTRACT:
         assert k in r, k
     assert r["mismatches"] == 0
-    assert r["questions"] == 2 and r["turns"] == 3
+    assert r["questions"] == 2 and r["turns"] == 3 and r["batch"] == 1
     assert set(r["categories"]) == {"writing", "math"}
     assert r["categories"]["writing"]["turns"] == 2
     for k in CONTRACT:
@@ -90,7 +90,11 @@ def test_benchmark_writes_contract(golden_with_template, tmp_path):
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-def test_auto_budget_picks_the_fastest_tree(golden_with_template, tmp_path, monkeypatch):
+def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, tmp_path, monkeypatch):
+    """--auto-budget measures plain decoding and the candidates and uses the fastest; --save-budget writes them,
+    and a head folder holding that budget.json is used without measuring again."""
+    from eagle_jax.decoding import budget
+    from eagle_jax.decoding.tree import DynamicTree
     from infer import benchmark
 
     q = tmp_path / "q.jsonl"
@@ -100,56 +104,87 @@ def test_auto_budget_picks_the_fastest_tree(golden_with_template, tmp_path, monk
             for i in range(4)
         )
     )
-    args = benchmark.parse_args(["--questions", str(q), "--limit", "2", "--calibration-prompts", "2"])
-    assert [c["question_id"] for c in benchmark.calibration_questions([q], args)] == [3, 2]  # not the measured ones
-    monkeypatch.setattr(benchmark, "AUTO_CANDIDATES", ((8, 2, 3), (12, 3, 2)))
+    assert [c["question_id"] for c in benchmark.calibration_questions([q], 2)] == [3, 2]  # not the measured ones
+    monkeypatch.setattr(budget, "CANDIDATES", (DynamicTree(8, 2, 3), DynamicTree(4, 3, 1)))
+    head = tmp_path / "head"
+    shutil.copytree(GOLDEN / "eagle3", head)
+    common = [
+        "--questions",
+        str(q),
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--max-prompt-tokens",
+        "30",
+        "--target",
+        str(golden_with_template),
+        "--draft",
+        str(head),
+        "--quiet",
+    ]
     out = tmp_path / "auto.json"
-    benchmark.main(
-        [
-            "--questions",
-            str(q),
-            "--limit",
-            "2",
-            "--max-new-tokens",
-            "8",
-            "--max-prompt-tokens",
-            "30",
-            "--target",
-            str(golden_with_template),
-            "--draft",
-            str(GOLDEN / "eagle3"),
-            "--auto-budget",
-            "--calibration-prompts",
-            "2",
-            "--json",
-            str(out),
-            "--quiet",
-        ]
+    assert (
+        benchmark.main(
+            [
+                *common,
+                "--auto-budget",
+                "--calibration-prompts",
+                "2",
+                "--save-budget",
+                str(head / "budget.json"),
+                "--budget-batches",
+                "1,2",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
     )
     r = json.loads(out.read_text())
-    rows = r["auto_budget"]["candidates"]
-    fastest = max(rows, key=lambda row: row["tokens_per_s"])
-    chosen = {k: fastest[k] for k in ("total_tokens", "depth", "top_k")}
-    assert r["auto_budget"]["chosen"] == chosen == r["tree"]
-    assert all(row["tau"] >= 1 and row["verify_ms"] > 0 for row in rows)
-    assert set(r["auto_budget"]["target_forward_ms"]) == {"1", "8", "12"}
-    assert r["mismatches"] == 0
+    saved = budget.Budget.from_json(json.loads((head / "budget.json").read_text()))
+    assert sorted(saved.measured) == [1, 2] and all(len(ms) == 3 for ms in saved.measured.values())
+    fastest = max(saved.measured[1], key=lambda m: m.tokens_per_s).tree
+    assert saved.choices[1] == fastest and r["tree"] == (
+        None
+        if fastest is None
+        else {"total_tokens": fastest.total_tokens, "depth": fastest.depth, "top_k": fastest.top_k}
+    )
+    assert all(m.tau >= 1 for ms in saved.measured.values() for m in ms) and r["mismatches"] == 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("measured again although the head's budget.json fits this machine")
+
+    monkeypatch.setattr(budget, "calibrate", refuse)
+    again = tmp_path / "again.json"
+    assert benchmark.main([*common, "--batch", "2", "--json", str(again)]) == 0
+    assert json.loads(again.read_text())["tree"] == (
+        None
+        if saved.choices[2] is None
+        else {
+            "total_tokens": saved.choices[2].total_tokens,
+            "depth": saved.choices[2].depth,
+            "top_k": saved.choices[2].top_k,
+        }
+    )
 
 
 def test_warm_up_compiles_every_span(golden_with_template):
-    """After `Runner.warm`, timed runs of any prompt in the bucket compile nothing, across spans."""
+    """After `Runner.warm`, timed runs of any prompts in the bucket compile nothing, across spans."""
     from eagle_jax.decoding import plain as gen
     from eagle_jax.decoding import schedule, speculative
+    from eagle_jax.decoding.tree import DynamicTree
     from infer.benchmark import Runner
 
-    runner = Runner(golden_with_template, GOLDEN / "eagle3", (8, 3, 2), 0.0, 200, 30)
+    runner = Runner(golden_with_template, GOLDEN / "eagle3", 0.0, 200, 30)
+    runner.set_tree(DynamicTree(8, 3, 2))
     ids = runner.prompt([{"role": "user", "content": "Tell me about the sea."}])
-    assert len(schedule.all_spans(runner.capacity_for(len(ids)))) >= 2
-    runner.warm(ids)
+    assert len(schedule.all_spans(runner.prepare([ids], 200).capacity)) >= 2
+    runner.warm([ids])
     programs = (gen.prefill, gen.decode_span, speculative.prefill, speculative.run_span)
     before = [f._cache_size() for f in programs]
     for prompt in (ids, ids[:-2]):
-        assert runner.plain(prompt)["tokens"] == runner.speculative(prompt)["tokens"]
+        assert runner.plain([prompt])["tokens"] == runner.speculative([prompt])["tokens"]
     assert [f._cache_size() for f in programs] == before
 
 
@@ -168,7 +203,6 @@ def test_read_questions_errors(tmp_path):
 def test_demo_pair_lossless():
     from transformers import AutoTokenizer
 
-    from cli.demo import TREE as DEMO_TREE
     from eagle_jax.decoding import speculative
     from eagle_jax.decoding.plain import generate
     from eagle_jax.decoding.tree import DynamicTree
@@ -183,7 +217,10 @@ def test_demo_pair_lossless():
     )
     ids = tok(text, add_special_tokens=False)["input_ids"]
     plain = generate(tparams, tcfg, [ids], 64)
-    for tree in (DEMO_TREE, DynamicTree(total_tokens=16, depth=4, top_k=4)):  # the demo's chain, a tree
+    for tree in (
+        DynamicTree(total_tokens=5, depth=3, top_k=1),
+        DynamicTree(total_tokens=16, depth=4, top_k=4),
+    ):  # the demo's chain, a tree
         spec = speculative.generate(tparams, tcfg, dparams, dcfg, [ids], 64, tree)
         assert spec.tokens[0] == plain.tokens[0]
         assert spec.tau > 2.0  # the trained head gets most drafts accepted

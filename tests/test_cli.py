@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cli import demo, presets
-from eagle_jax.decoding import plain
+from eagle_jax.decoding import budget, plain
 from eagle_jax.decoding.tree import DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import convert
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = ROOT / "tests" / "golden"
 TARGET, EAGLE3, EAGLE1 = (str(GOLDEN / d) for d in ("target", "eagle3", "eagle1"))
 CONTRACT_KEYS = {"output_ids", "accept_lengths", "cycles", "new_tokens", "tau"}
+UPSTREAM_TREE = ["--total-tokens", "60", "--depth", "7", "--tree-top-k", "10"]  # a tree given: no budget lookup
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +86,7 @@ def test_json_contract(reference, env, tmp_path):
         ids_arg(prompt(reference, 0)),
         "--max-new-tokens",
         "20",
+        *UPSTREAM_TREE,
     ]
     code, out, err = run(args + ["--json", str(tmp_path / "spec.json")], env)
     assert code == 0, err
@@ -184,6 +186,7 @@ def test_clamp_warning(reference, env, tmp_path):
             "128",
             "--json",
             str(tmp_path / "c.json"),
+            *UPSTREAM_TREE,
         ],
         env,
     )
@@ -212,6 +215,7 @@ def test_compare_times_both_and_agrees(reference, tmp_path, capsys):
             "--compare",
             "--json",
             str(out),
+            *UPSTREAM_TREE,
         ],
         capsys,
     )
@@ -226,16 +230,44 @@ def test_compare_times_both_and_agrees(reference, tmp_path, capsys):
 
 
 def test_no_model_flags_run_the_demo(tmp_path, capsys):
-    """Without --target/--config: the shipped pair, its tree, a sample prompt, compared with plain decoding."""
+    """Without --target/--config: the shipped pair, the envelope of its budget.json (measured on a CPU like this
+    one), a sample prompt, compared with plain decoding."""
     out = tmp_path / "demo.json"
     code, stdout, err = in_process(["--max-new-tokens", "12", "--json", str(out)], capsys)
     assert code == 0, err
     doc = json.loads(out.read_text())
     settings = doc["settings"]
     assert settings["target"] == str(demo.TARGET) and settings["draft"] == str(demo.DRAFT)
-    assert settings["tree"] == dataclasses.asdict(demo.TREE) and settings["dtype"] == "float32"
+    chosen = budget.Budget.from_json(json.loads((demo.DRAFT / "budget.json").read_text())).choices[1]
+    assert settings["tree"] == (None if chosen is None else dataclasses.asdict(chosen))
+    assert settings["dtype"] == "float32"
     assert doc["compare"]["identical"] and doc["new_tokens"] == 12
-    assert err.splitlines()[0].startswith("demo: target + its EAGLE3 head") and demo.PROMPT in err
+    assert any(line.startswith("demo: target + its EAGLE3 head") for line in err.splitlines()) and demo.PROMPT in err
+
+
+def test_the_envelope_follows_the_heads_budget(reference, tmp_path, capsys, monkeypatch):
+    """No tree given: the head's budget.json (for this kind of device) picks the envelope per batch size, down to
+    plain decoding; without one the envelopes are measured once and cached."""
+    head = tmp_path / "head"
+    shutil.copytree(EAGLE3, head)
+    table = budget.Budget(budget.device_kind(), {1: DynamicTree(5, 4, 1), 2: None})
+    (head / "budget.json").write_text(json.dumps(table.to_json()))
+    rows = [prompt(reference, 0), prompt(reference, 1)]
+    for ids, want in (([rows[0]], {"total_tokens": 5, "depth": 4, "top_k": 1}), (rows, None)):
+        out = tmp_path / "b.json"
+        args = ["--target", TARGET, "--draft", str(head), "--prompt-ids", ids_arg(*ids), "--max-new-tokens", "8"]
+        code, _, err = in_process([*args, "--json", str(out)], capsys)
+        assert code == 0, err
+        doc = json.loads(out.read_text())
+        assert doc["settings"]["tree"] == want and doc["settings"]["speculative"] == (want is not None)
+        assert doc["output_ids"] == [greedy(reference, i, 8) for i in range(len(ids))]
+    (head / "budget.json").write_text(json.dumps({**table.to_json(), "device": "tpu TPU v6 lite x8"}))
+    monkeypatch.setattr(budget, "CANDIDATES", (DynamicTree(4, 3, 1),))  # measured quickly
+    code, _, err = in_process(
+        ["--target", TARGET, "--draft", str(head), "--prompt-ids", ids_arg(rows[0]), "--max-new-tokens", "8"], capsys
+    )
+    assert code == 0 and "measuring draft-tree envelopes for batch 1" in err, err
+    assert list((Path(os.environ["EAGLE_JAX_CACHE"]) / "budget").glob("*.json"))
 
 
 # ---------------------------------------------------------------- text and chat
@@ -255,6 +287,7 @@ def test_text_prompt_equals_ids(tmp_path, capsys):
             "10",
             "--json",
             str(tmp_path / "t.json"),
+            *UPSTREAM_TREE,
         ],
         capsys,
     )
@@ -272,6 +305,7 @@ def test_text_prompt_equals_ids(tmp_path, capsys):
             "10",
             "--json",
             str(tmp_path / "i.json"),
+            *UPSTREAM_TREE,
         ],
         capsys,
     )
@@ -449,6 +483,8 @@ def bad_runs(broken_dirs, env) -> dict[str, tuple[int, str, str]]:
         args = [a.format(**broken_dirs) for a in args]
         if "--prompt-ids" not in args and "--prompt-file" not in args:
             args += ["--prompt-ids", "1,5,9"]
+        if "--draft" in args and not {"--no-spec", "--tree", "--total-tokens", "--depth", "--tree-top-k"} & set(args):
+            args += UPSTREAM_TREE
         procs[name] = launch(args + ["--max-new-tokens", "4"], env)
     return {name: finish(p) for name, p in procs.items()}
 

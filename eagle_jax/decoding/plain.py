@@ -13,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle_jax.decoding import schedule
 from eagle_jax.decoding.emit import PAD_ID, emit
@@ -123,7 +124,7 @@ def decode(
     return schedule.run_segments(
         lambda s, span: decode_span(params, s, key, cfg=cfg, sc=sc, span=span),
         init_state(cache, first, limits, cfg),
-        lambda s: s.cache.lengths + 1,
+        lambda s: np.asarray(jax.device_get(s.cache.lengths)) + 1,
         cache.capacity,
     )
 

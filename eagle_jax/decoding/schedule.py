@@ -144,17 +144,18 @@ def live_span(needed: np.ndarray, done: np.ndarray, capacity: int) -> int:
 
 
 def run_segments(
-    segment: Callable[[State, int], State], state: State, slots_needed: Callable[[State], jax.Array], capacity: int
+    segment: Callable[[State, int], State], state: State, slots_needed: Callable[[State], np.ndarray], capacity: int
 ) -> State:
     """Drive a decode loop that also stops when a running row outgrows its attention span: run
-    `segment(state, span)` with the smallest span holding every running row's slots_needed(state) [B],
-    again with a larger span when it stops early, until every row is done."""
+    `segment(state, span)` with the smallest span holding every running row's slots_needed(state) [B] (read
+    on the host: no small device programs to compile), again with a larger span when it stops early, until
+    every row is done."""
     span = 0
     while True:
-        needed, done = jax.device_get((slots_needed(state), state.done))
+        done = np.asarray(jax.device_get(state.done))
         if done.all():
             return state
         if span == capacity:
             raise EagleError(f"a decode loop stopped with rows running and a full-capacity span ({capacity})")
-        span = live_span(needed, done, capacity)
+        span = live_span(slots_needed(state), done, capacity)
         state = segment(state, span)

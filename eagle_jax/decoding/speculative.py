@@ -149,6 +149,12 @@ def prefill(
     )
 
 
+def host_slots_needed(s: SpecState, tree: TreeConfig) -> np.ndarray:
+    """`slots_needed` read on the host."""
+    target_lengths, draft_lengths = jax.device_get((s.target_cache.lengths, s.draft_cache.lengths))
+    return np.maximum(target_lengths, draft_lengths) + tree.cache_overhead
+
+
 def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     """Cache slots [B] each row's next cycle writes up to (in the target's and the draft's cache)."""
     return jnp.maximum(s.target_cache.lengths, s.draft_cache.lengths) + tree.cache_overhead
@@ -263,7 +269,7 @@ def run(
     return schedule.run_segments(
         lambda s, span: run_span(tparams, dparams, s, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span),
         state,
-        lambda s: slots_needed(s, tree),
+        lambda s: host_slots_needed(s, tree),
         state.target_cache.capacity,
     )
 
@@ -340,11 +346,13 @@ def stream(
 ) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
     """Drive the jitted cycle from Python; yields (new tokens per row, the cycle's tree, state)."""
     state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
-    before, needed, done = jax.device_get((state.counts, slots_needed(state, tree), state.done))
+    before, done = jax.device_get((state.counts, state.done))
+    needed = host_slots_needed(state, tree)
     while not done.all():
         span = schedule.live_span(needed, done, state.target_cache.capacity)
         state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span)
-        counts, needed, done = jax.device_get((state.counts, slots_needed(state, tree), state.done))
+        counts, done = jax.device_get((state.counts, state.done))
+        needed = host_slots_needed(state, tree)
         out = np.asarray(jax.device_get(state.out))
         yield [out[r, before[r] : counts[r]].tolist() for r in range(len(counts))], tr, state
         before = counts

@@ -1,0 +1,163 @@
+"""Choosing the draft-tree envelope per batch size from costs measured on the machine at hand.
+
+speedup = tau / (1 + c): tau grows slowly with the tree, c grows with every draft level and with the
+verification width once the target is compute-bound (large batches, CPUs). So the best envelope depends
+on the hardware and the batch size, and at some batch size none beats plain decoding. `measure` times
+plain decoding and each candidate envelope on calibration prompts (generation end to end, after one
+compiling pass, in interleaved rounds so that a slow spell of the machine does not land on one candidate);
+`choose` keeps the fastest, or plain decoding (None) when no envelope beats it. A `Budget` holds the
+choices per batch size and serialises to JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+from eagle_jax.decoding import plain, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.tree import DynamicTree
+
+# chains of 2-7 drafts (top-k 1: what an accurate head wants where verifying is not free), deep narrow trees
+# and wide ones up to upstream's 60 / 7 / 10
+CANDIDATES: tuple[DynamicTree, ...] = tuple(
+    DynamicTree(*t)
+    for t in (
+        (3, 2, 1),
+        (4, 3, 1),
+        (5, 4, 1),
+        (6, 5, 1),
+        (8, 7, 1),
+        (8, 3, 2),
+        (12, 5, 2),
+        (16, 6, 2),
+        (16, 4, 4),
+        (32, 7, 4),
+        (60, 7, 10),
+    )
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    tree: DynamicTree | None  # None: plain decoding
+    tau: float  # tokens per cycle (1 for plain decoding)
+    tokens_per_s: float  # median over the rounds, prefill included
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The envelope to use per batch size (None: plain decoding), and what it was chosen from."""
+
+    device: str
+    choices: dict[int, DynamicTree | None]
+    measured: dict[int, list[Measured]] = dataclasses.field(default_factory=dict)
+
+    def for_batch(self, batch: int) -> DynamicTree | None:
+        """The choice for `batch` rows: that of the largest measured batch size <= batch (else the smallest)."""
+        sizes = sorted(self.choices)
+        return self.choices[max([s for s in sizes if s <= batch], default=sizes[0])]
+
+    def to_json(self) -> dict:
+        tree = lambda t: None if t is None else dataclasses.asdict(t)  # noqa: E731
+        return {
+            "device": self.device,
+            "choices": {str(b): tree(t) for b, t in self.choices.items()},
+            "measured": {
+                str(b): [{"tree": tree(m.tree), "tau": m.tau, "tokens_per_s": m.tokens_per_s} for m in ms]
+                for b, ms in self.measured.items()
+            },
+        }
+
+    @staticmethod
+    def from_json(doc: dict) -> Budget:
+        tree = lambda t: None if t is None else DynamicTree(**t)  # noqa: E731
+        return Budget(
+            device=doc["device"],
+            choices={int(b): tree(t) for b, t in doc["choices"].items()},
+            measured={
+                int(b): [Measured(tree(m["tree"]), m["tau"], m["tokens_per_s"]) for m in ms]
+                for b, ms in doc.get("measured", {}).items()
+            },
+        )
+
+
+def device_kind() -> str:
+    """What a budget was measured on: platform and device kind (and count, except for CPUs, whose virtual
+    devices are parts of one host)."""
+    d = jax.devices()[0]
+    return f"{d.platform} {d.device_kind}" + ("" if d.platform == "cpu" else f" x{jax.device_count()}")
+
+
+def measure(
+    tparams,
+    tcfg,
+    dparams,
+    dcfg,
+    prompts: Sequence[Sequence[int]],
+    new_tokens: int,
+    candidates: Sequence[DynamicTree] | None = None,
+    rounds: int = 3,
+    sampling: SamplingConfig = SamplingConfig(),
+    log: Callable[[str], None] | None = None,
+) -> list[Measured]:
+    """Tokens/s of plain decoding and of each candidate on `prompts` (one batch), median of `rounds`."""
+    prompts = [list(p) for p in prompts]
+
+    def run(tree: DynamicTree | None) -> tuple[int, int]:
+        """(new tokens, cycles) of one generation."""
+        if tree is None:
+            res = plain.generate(tparams, tcfg, prompts, new_tokens, sampling)
+            return sum(map(len, res.tokens)), sum(map(len, res.tokens))
+        res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, new_tokens, tree, sampling)
+        return sum(res.new_tokens), sum(res.cycles)
+
+    trees: list[DynamicTree | None] = [None, *(CANDIDATES if candidates is None else candidates)]
+    counts = {t: run(t) for t in trees}  # compiles every program
+    rates: dict[DynamicTree | None, list[float]] = {t: [] for t in trees}
+    for _ in range(rounds):
+        for tree in trees:
+            start = time.perf_counter()
+            jax.block_until_ready(run(tree))
+            rates[tree].append(counts[tree][0] / (time.perf_counter() - start))
+    measured = [Measured(t, counts[t][0] / max(1, counts[t][1]), statistics.median(rates[t])) for t in trees]
+    if log:
+        for m in measured:
+            log(f"{'plain' if m.tree is None else _name(m.tree)}: tau {m.tau:.2f}, {m.tokens_per_s:.1f} tokens/s")
+    return measured
+
+
+def choose(measured: Sequence[Measured]) -> DynamicTree | None:
+    """The fastest envelope, or None (plain decoding) when no envelope beats plain decoding."""
+    return max(measured, key=lambda m: m.tokens_per_s).tree
+
+
+def calibrate(
+    tparams,
+    tcfg,
+    dparams,
+    dcfg,
+    prompts: Sequence[Sequence[int]],
+    batch_sizes: Sequence[int],
+    new_tokens: int,
+    candidates: Sequence[DynamicTree] | None = None,
+    rounds: int = 3,
+    log: Callable[[str], None] | None = None,
+) -> Budget:
+    """A `Budget` for each batch size, measured on batches made of `prompts` (repeated as needed)."""
+    measured = {}
+    for b in batch_sizes:
+        if log:
+            log(f"batch {b}:")
+        rows = [prompts[i % len(prompts)] for i in range(b)]
+        measured[b] = measure(tparams, tcfg, dparams, dcfg, rows, new_tokens, candidates, rounds, log=log)
+        jax.clear_caches()  # a dozen programs per batch size: free them before the next
+    return Budget(device_kind(), {b: choose(ms) for b, ms in measured.items()}, measured)
+
+
+def _name(tree: DynamicTree) -> str:
+    return f"{tree.total_tokens}/{tree.depth}/{tree.top_k}"
