@@ -18,6 +18,7 @@ import contextlib
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 from eagle_jax.errors import EagleError
@@ -92,3 +93,12 @@ def parse_dtype(name: str | None):
     import jax.numpy as jnp
 
     return jnp.dtype(DTYPES[name])
+
+
+def shown_path(path: str | Path | None) -> str | None:
+    """A path as reports record it: relative to the working folder when inside it, else its last part
+    (reports are shared; the machine's folders are not part of them)."""
+    if path is None:
+        return None
+    path = Path(path).absolute()
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else path.name

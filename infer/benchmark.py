@@ -446,8 +446,8 @@ def run_benchmark(args, log=print) -> dict:
     }
     report.update(
         {
-            "target": str(args.target),
-            "draft": str(args.draft),
+            "target": command.shown_path(args.target),
+            "draft": command.shown_path(args.draft),
             "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens,
             "batch": args.batch,

@@ -33,7 +33,7 @@ import jax
 from jax.sharding import Mesh
 
 from cli import budget, command, demo, presets
-from eagle_jax.decoding import plain, programs, schedule, speculative
+from eagle_jax.decoding import plain, programs, schedule, session, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult
 from eagle_jax.decoding.tree import DynamicTree, StaticTree, TreeConfig, parse_static
@@ -330,19 +330,28 @@ def _write_json(path: str, doc: dict) -> None:
 
 
 def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) -> None:
-    """Multi-turn chat on stdin/stdout; the oldest turns are dropped when the conversation outgrows the cache."""
+    """Multi-turn chat on stdin/stdout. One `session.Session` keeps the conversation's caches: a turn
+    prefills only its new tokens, and after the start-up warm-up nothing compiles. The oldest turns are
+    dropped when the conversation outgrows the cache."""
     capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
-    s = dataclasses.replace(s, warmup=False)  # one capacity for the session: only the first turn compiles
+    talk = session.Session(m.tparams, m.tcfg, m.dparams, m.dcfg, s.tree, s.sampling, capacity, mesh=m.mesh)
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 read as U+FFFD, not a crash
     print(
         f"chatting with {m.target_dir.name}"
-        + (f" + {m.dcfg.kind.upper()} head" if m.dcfg else "")
+        + (f" + {m.dcfg.kind.upper()} head" if m.dcfg and s.tree else "")
         + "; /exit or end of input quits",
         file=sys.stderr,
     )
+    names = talk.programs()
+    print(
+        f"warm-up: {len(names)} programs ({', '.join(names)}) compiled in {talk.warm_up():.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     first = 1 if system else 0
-    overhead = s.tree.cache_overhead if s.tree else 0
     while True:
         try:
             line = input("> " if interactive else "")
@@ -355,17 +364,32 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
             continue
         history.append({"role": "user", "content": text})
         ids = encode(tok, history, use_template)
-        while len(ids) + overhead >= capacity and len(history) - first > 1:
+        while len(ids) + talk.overhead >= capacity and len(history) - first > 1:
             del history[first : first + 2]
             ids = encode(tok, history, use_template)
-        if len(ids) + overhead >= capacity:
+        if len(ids) + talk.overhead >= capacity:
             command.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
             history.pop()
             continue
-        outcome = generate_timed(m, [ids], s, TextStream(tok), capacity)
+        show = TextStream(tok)
+        for new in talk.reply(ids, s.max_new_tokens, s.seed + talk.turns):
+            show([new])
         print(flush=True)
-        print(stats_line(outcome, s.tree is not None), file=sys.stderr, flush=True)
-        history.append({"role": "assistant", "content": tok.decode(outcome.result.tokens[0], skip_special_tokens=True)})
+        print(turn_line(talk.last), file=sys.stderr, flush=True)
+        history.append({"role": "assistant", "content": tok.decode(talk.last.tokens, skip_special_tokens=True)})
+
+
+def turn_line(t: session.TurnStats) -> str:
+    """A chat turn's figures: prefill (and how much of the prompt the caches already held), decoding."""
+    new = len(t.tokens)
+    cycles = (
+        f", {len(t.accept_lengths)} cycles, tau {new / max(1, len(t.accept_lengths)):.2f}" if t.accept_lengths else ""
+    )
+    return (
+        f"[prefill {t.prompt_tokens - t.reused_tokens} of {t.prompt_tokens} prompt tokens "
+        f"({t.reused_tokens} kept in the cache) {1000 * t.prefill_s:.0f} ms; {new} new tokens{cycles}, "
+        f"{new / t.decode_s if t.decode_s > 0 else 0:.1f} tokens/s]"
+    )
 
 
 # ---------------------------------------------------------------- command line

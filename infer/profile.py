@@ -141,7 +141,9 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     print(render(report))
     if a.json:
-        files.write_json_atomic(Path(a.json), {**report, "target": str(target_path), "draft": str(draft_path)})
+        files.write_json_atomic(
+            Path(a.json), {**report, "target": command.shown_path(target_path), "draft": command.shown_path(draft_path)}
+        )
     return 0
 
 

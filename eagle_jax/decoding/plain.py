@@ -78,6 +78,54 @@ def init_state(cache: KVCache, first: jax.Array, limits: jax.Array, cfg: TargetC
     return DecodeState(jnp.int32(1), first, eos | (counts >= limits), eos, counts, limits, out, cache)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "sc"), donate_argnames=("state",))
+def extend(
+    params: dict, state: DecodeState, start, tokens, n, final, limits, key, *, cfg: TargetConfig, sc: SamplingConfig
+) -> DecodeState:
+    """Feed a chunk of a conversation into a cache kept from earlier chunks and turns (chunked prefill).
+
+    Each row's cache is first cut to start [B] tokens, then takes the first n [B] of tokens [B, C] at
+    positions start + [0, C). A row whose chunk is its last (final [B]) starts a turn with budget
+    limits [B]: its first token is sampled from the last fed token's logits (key fold_in(key, 0), as
+    `prefill`) and emitted. A row fed a chunk that is not its last waits (done); rows fed nothing are
+    left as they were.
+    """
+    b, c = tokens.shape
+    fed = n > 0
+    positions = start[:, None] + jnp.arange(c)[None, :]
+    fwd = target.forward(params, cfg, tokens, positions, kv_cache.set_lengths(state.cache, start), compute_logits=False)
+    cache = kv_cache.advance(fwd.cache, n)
+    last_hidden = fwd.hidden[jnp.arange(b), jnp.maximum(n - 1, 0)]  # [B, H]
+    first = sample(jax.random.fold_in(key, 0), target.lm_logits(params, cfg, last_hidden), sc)
+    turn = init_state(cache, first, limits, cfg)
+    starts = fed & final
+    pick = lambda new, old: jnp.where(starts.reshape(-1, *[1] * (old.ndim - 1)), new, old)  # noqa: E731
+    return DecodeState(
+        step=jnp.where(jnp.any(starts), turn.step, state.step),
+        last=pick(turn.last, state.last),
+        done=jnp.where(fed, ~final | turn.done, state.done),
+        eos=pick(turn.eos, state.eos),
+        counts=pick(turn.counts, state.counts),
+        limits=pick(turn.limits, state.limits),
+        out=pick(turn.out, state.out),
+        cache=cache,
+    )
+
+
+def empty_state(cfg: TargetConfig, batch: int, capacity: int, dtype) -> DecodeState:
+    """A state with an empty cache and every row done: what `extend` feeds a conversation into."""
+    return DecodeState(
+        step=jnp.int32(0),
+        last=jnp.zeros((batch,), jnp.int32),
+        done=jnp.ones((batch,), bool),
+        eos=jnp.zeros((batch,), bool),
+        counts=jnp.zeros((batch,), jnp.int32),
+        limits=jnp.zeros((batch,), jnp.int32),
+        out=jnp.full((batch, capacity), PAD_ID, jnp.int32),
+        cache=target.init_cache(cfg, batch, capacity, dtype),
+    )
+
+
 def decode_loop(
     params: dict, state: DecodeState, key: jax.Array, cfg: TargetConfig, sc: SamplingConfig, span: int | None = None
 ) -> DecodeState:

@@ -149,6 +149,93 @@ def prefill(
     )
 
 
+@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "sampling"), donate_argnames=("state",))
+def extend(
+    tparams,
+    dparams,
+    state: SpecState,
+    start,
+    tokens,
+    next_tokens,
+    n,
+    final,
+    limits,
+    key,
+    *,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    sampling: SamplingConfig,
+) -> SpecState:
+    """Feed a chunk of a conversation into caches kept from earlier chunks and turns (chunked prefill).
+
+    Each row's caches are first cut to start [B] tokens (what it keeps of its past), then take the first
+    n [B] of tokens [B, C] at positions start + [0, C); next_tokens [B, C] are the tokens that follow them
+    (the draft reads (feature_i, token_{i+1}) pairs). A row whose chunk is its last (final [B]) starts a turn
+    with budget limits [B]: its root is sampled from the last fed token's logits (key fold_in(key, 0), as
+    `prefill`) and closes the last pair. A row fed a chunk that is not its last waits (done) until it is.
+    Rows fed nothing (n = 0) are left as they were.
+    """
+    b, c = tokens.shape
+    rows = jnp.arange(b)
+    fed = n > 0
+    positions = start[:, None] + jnp.arange(c)[None, :]
+    fwd = target.forward(
+        tparams,
+        tcfg,
+        tokens,
+        positions,
+        kv_cache.set_lengths(state.target_cache, start),
+        feature_layers=dcfg.feature_layers(tcfg),
+        compute_logits=False,
+    )
+    last = jnp.maximum(n - 1, 0)
+    root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, fwd.hidden[rows, last]), sampling)
+    pair_tokens = next_tokens.at[rows, last].set(jnp.where(final, root, next_tokens[rows, last]))
+    draft_hidden, dcache = _draft_context(
+        dparams,
+        dcfg,
+        tparams["embed"],
+        kv_cache.set_lengths(state.draft_cache, start),
+        pair_tokens,
+        _features(dcfg, fwd),
+        n,
+        span=None,
+    )
+    starts = fed & final
+    return SpecState(
+        target_cache=kv_cache.advance(fwd.cache, n),
+        draft_cache=dcache,
+        root=jnp.where(starts, root, state.root),
+        draft_hidden=jnp.where(fed[:, None], draft_hidden, state.draft_hidden),
+        out=jnp.where(starts[:, None], PAD_ID, state.out),
+        counts=jnp.where(starts, 0, state.counts),
+        limits=jnp.where(starts, limits, state.limits),
+        done=jnp.where(fed, ~final | (limits <= 0), state.done),
+        eos=jnp.where(fed, False, state.eos),
+        cycle=jnp.where(jnp.any(starts), 0, state.cycle),
+        accept_lengths=jnp.where(starts[None, :], -1, state.accept_lengths),
+        key=key,
+    )
+
+
+def empty_state(tcfg: TargetConfig, dcfg: DraftConfig, batch: int, capacity: int, dtype) -> SpecState:
+    """A state with empty caches and every row done: what `extend` feeds a conversation into."""
+    return SpecState(
+        target_cache=target.init_cache(tcfg, batch, capacity, dtype),
+        draft_cache=draft.init_cache(dcfg, batch, capacity, dtype),
+        root=jnp.zeros((batch,), jnp.int32),
+        draft_hidden=jnp.zeros((batch, dcfg.hidden_size), dtype),
+        out=jnp.full((batch, capacity), PAD_ID, jnp.int32),
+        counts=jnp.zeros((batch,), jnp.int32),
+        limits=jnp.zeros((batch,), jnp.int32),
+        done=jnp.ones((batch,), bool),
+        eos=jnp.zeros((batch,), bool),
+        cycle=jnp.int32(0),
+        accept_lengths=jnp.full((capacity, batch), -1, jnp.int32),
+        key=jax.random.key(0),
+    )
+
+
 def host_slots_needed(s: SpecState, tree: TreeConfig) -> np.ndarray:
     """`slots_needed` read on the host."""
     target_lengths, draft_lengths = jax.device_get((s.target_cache.lengths, s.draft_cache.lengths))

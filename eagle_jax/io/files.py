@@ -64,6 +64,23 @@ def save_npz_atomic(path: str | Path, **arrays: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def check_output_file(path: str | Path, flag: str, inputs: tuple[str | Path, ...] = ()) -> Path:
+    """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only
+    parent folder, or one of the command's inputs."""
+    path = Path(path)
+    if path.is_dir():
+        raise EagleError(f"{flag} {path}: is a folder; name a file")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise EagleError(f"{flag} {path}: folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise EagleError(f"{flag} {path}: not writable; choose another path")
+    for given in inputs:
+        if Path(given).exists() and path.exists() and path.samefile(given):
+            raise EagleError(f"{flag} {path}: is also an input; write the output elsewhere")
+    return path
+
+
 def check_new_directory(out: str | Path) -> None:
     """Refuse an output directory that exists and is not empty (nothing is written yet)."""
     out = Path(out)

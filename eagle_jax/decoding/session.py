@@ -1,0 +1,201 @@
+"""A conversation kept on device: its caches live across turns, new tokens are prefilled in fixed chunks.
+
+A `Session` holds one row's target (and draft) KV caches at a fixed capacity. Each turn gets the whole
+conversation's token ids; the session keeps the longest prefix its caches already hold (the earlier
+turns, the answers it generated) and prefills only the rest, in chunks of a few fixed sizes. So the
+programs it runs do not depend on the conversation: one `extend` program per chunk size, and one decode
+program (a speculative cycle, or a plain decode loop) per attention span of `schedule.all_spans`.
+`warm_up` compiles exactly that set; afterwards no prompt length or number of turns compiles anything.
+
+Output equals decoding the conversation from scratch (`speculative.generate` / `plain.generate` with
+the same seed): the caches hold the same tokens at the same positions, and each turn samples with the
+same keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from eagle_jax.decoding import plain, programs, schedule, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.tree import TreeConfig
+from eagle_jax.errors import EagleError
+from eagle_jax.models.config import DraftConfig, TargetConfig
+from eagle_jax.parallel import sharding
+
+CHUNKS = (256, 32)  # prefill chunk sizes: long prompts in large chunks, a turn's few new tokens in a small one
+
+
+def chunk_plan(length: int, chunks: Sequence[int] = CHUNKS) -> list[int]:
+    """Chunk sizes that cover `length` new tokens: the largest size that the rest fills, else the smallest
+    size that holds it."""
+    sizes = sorted(chunks, reverse=True)
+    plan, left = [], length
+    while left > 0:
+        size = next((s for s in sizes if s <= left), None) or min(s for s in sizes if s >= left)
+        plan.append(size)
+        left -= size
+    return plan
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differs[0]) if differs.size else n
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnStats:
+    prompt_tokens: int
+    reused_tokens: int  # prompt tokens already in the caches
+    prefill_s: float
+    decode_s: float
+    tokens: list[int]  # the answer
+    accept_lengths: list[int]  # per cycle (empty for plain decoding)
+
+
+class Session:
+    """One conversation (one row) on one device, speculative when a head and a tree are given, else plain."""
+
+    def __init__(
+        self,
+        tparams: dict,
+        tcfg: TargetConfig,
+        dparams: dict | None = None,
+        dcfg: DraftConfig | None = None,
+        tree: TreeConfig | None = None,
+        sampling: SamplingConfig = SamplingConfig(),
+        capacity: int = 4096,
+        chunks: Sequence[int] = CHUNKS,
+        mesh: Mesh | None = None,
+    ):
+        if tree is not None and dparams is None:
+            raise EagleError("a speculative session needs a draft head (or no tree for plain decoding)")
+        target_capacity = tcfg.rope.max_position_embeddings
+        if capacity > target_capacity:
+            raise EagleError(f"capacity {capacity} exceeds the target's {target_capacity} positions; lower it")
+        self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
+        self.tree, self.sampling, self.capacity, self.chunks = tree, sampling, capacity, tuple(chunks)
+        self.overhead = tree.cache_overhead if tree is not None else 0
+        dtype = tparams["embed"].dtype
+        if tree is None:
+            self.state = plain.empty_state(tcfg, 1, capacity, dtype)
+        else:
+            self.state = speculative.empty_state(tcfg, dcfg, 1, capacity, dtype)
+        if mesh is not None:  # the caches split over `tensor` like the parameters; one row: no data axis
+            if sharding.data_parallelism(mesh) > 1:
+                raise EagleError("a conversation is one row: use a mesh with data=1 and fsdp=1 (e.g. tensor=N)")
+            layout = (
+                programs.decode_state_shardings(tcfg, mesh)
+                if tree is None
+                else programs.spec_state_shardings(tcfg, dcfg, mesh)
+            )
+            self.state = jax.device_put(self.state, layout)
+        self._key = jax.random.key(0)
+        self.cached: list[int] = []  # token ids the caches hold (positions 0..), the last answer included
+        self.turns = 0
+
+    @property
+    def spans(self) -> list[int]:
+        return schedule.all_spans(self.capacity)
+
+    def programs(self) -> list[str]:
+        """The compiled set: one prefill program per chunk size, one decode program per span."""
+        kind = "cycle" if self.tree is not None else "decode loop"
+        return [f"extend {c}" for c in self.chunks] + [f"{kind} span {s}" for s in self.spans]
+
+    def warm_up(self) -> float:
+        """Compile every program this session can run (by running each once); returns the seconds taken."""
+        t0 = time.perf_counter()
+        for size in self.chunks:
+            self._extend([1] * size, 0, np.int32(1), jax.random.key(0))
+        for span in self.spans:
+            self.state = self._decode(span)
+            jax.block_until_ready(self.state)
+        self.cached = []
+        return time.perf_counter() - t0
+
+    def _extend(self, prompt: list[int], keep: int, limit: np.int32, key: jax.Array) -> None:
+        """Cut the caches to `keep` tokens and feed prompt[keep:] in chunks; the last chunk starts the turn."""
+        pos = keep
+        for size in chunk_plan(len(prompt) - keep, self.chunks):
+            piece = prompt[pos : pos + size]
+            tokens = np.zeros((1, size), np.int32)
+            follow = np.zeros((1, size), np.int32)
+            tokens[0, : len(piece)] = piece
+            after = prompt[pos + 1 : pos + len(piece) + 1]  # the token after each (the root closes the last)
+            follow[0, : len(after)] = after
+            final = np.array([pos + size >= len(prompt)])
+            common = (np.array([pos], np.int32), tokens)
+            rest = (np.array([len(piece)], np.int32), final, np.array([limit], np.int32), key)
+            if self.tree is None:
+                self.state = plain.extend(self.tparams, self.state, *common, *rest, cfg=self.tcfg, sc=self.sampling)
+            else:
+                self.state = speculative.extend(
+                    self.tparams,
+                    self.dparams,
+                    self.state,
+                    *common,
+                    follow,
+                    *rest,
+                    tcfg=self.tcfg,
+                    dcfg=self.dcfg,
+                    sampling=self.sampling,
+                )
+            pos += size
+
+    def _decode(self, span: int):
+        """One decode program over `span` slots: a speculative cycle, or plain steps until the span is full."""
+        if self.tree is None:
+            return plain.decode_span(self.tparams, self.state, self._key, cfg=self.tcfg, sc=self.sampling, span=span)
+        state, _ = speculative.cycle(
+            self.tparams,
+            self.dparams,
+            self.state,
+            tcfg=self.tcfg,
+            dcfg=self.dcfg,
+            tree=self.tree,
+            sampling=self.sampling,
+            span=span,
+        )
+        return state
+
+    def _slots_needed(self) -> np.ndarray:
+        if self.tree is None:
+            return np.asarray(jax.device_get(self.state.cache.lengths)) + 1
+        return speculative.host_slots_needed(self.state, self.tree)
+
+    def reply(self, prompt: Sequence[int], max_new_tokens: int, seed: int = 0) -> Iterator[list[int]]:
+        """Answer the conversation `prompt` (all its token ids so far): yields new tokens as they are
+        accepted; `last` then holds the turn's figures. The caches keep the prompt and the answer."""
+        prompt = list(prompt)
+        plan = schedule.plan([len(prompt)], max_new_tokens, self.overhead, self.capacity)
+        # keep what the caches hold of this prompt, less one token: the last kept pair must be re-read
+        keep = max(0, min(common_prefix(self.cached, prompt) - 1, len(prompt) - 1))
+        self._key = jax.random.key(seed)
+        t0 = time.perf_counter()
+        self._extend(prompt, keep, plan.limits[0], self._key)
+        jax.block_until_ready(self.state)
+        t1 = time.perf_counter()
+        shown, done = 0, False
+        while not done:  # whole arrays come to the host: indexing on device would compile small programs
+            span = schedule.attention_span(int(self._slots_needed()[0]), self.capacity)
+            self.state = self._decode(span)
+            counts, finished, out = jax.device_get((self.state.counts, self.state.done, self.state.out))
+            done = bool(finished[0])
+            if counts[0] > shown:
+                yield out[0, shown : counts[0]].tolist()
+                shown = int(counts[0])
+        tokens = out[0, :shown].tolist()
+        accepts = []
+        if self.tree is not None:
+            accepts = [int(a) for a in jax.device_get(self.state.accept_lengths)[:, 0] if a >= 0]
+        self.cached = prompt + tokens
+        self.turns += 1
+        self.last = TurnStats(len(prompt), keep, t1 - t0, time.perf_counter() - t1, tokens, accepts)

@@ -1,0 +1,148 @@
+"""Conversations kept on device: chunked prefill, caches across turns, no compilation after warm-up."""
+
+import jax
+import numpy as np
+import pytest
+from jax import monitoring
+
+from eagle_jax.decoding import plain, session, speculative
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.tree import DynamicTree, StaticTree
+from eagle_jax.errors import EagleError
+
+TREE = DynamicTree(total_tokens=16, depth=4, top_k=4)
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@pytest.fixture(scope="module")
+def pair(golden_target, golden_dir):
+    from eagle_jax.io.loading import load_draft
+
+    tcfg, tparams = golden_target
+    dcfg, dparams = load_draft(golden_dir / "eagle3", tcfg)
+    return tparams, tcfg, dparams, dcfg
+
+
+@pytest.fixture(scope="module")
+def compiles():
+    """Names of backend compilations seen from now on (one entry per compiled program)."""
+    seen: list[str] = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: seen.append(name) if name == COMPILE_EVENT else None
+    )
+    return seen
+
+
+def test_chunk_plan():
+    assert session.chunk_plan(1, (256, 32)) == [32]
+    assert session.chunk_plan(32, (256, 32)) == [32]
+    assert session.chunk_plan(300, (256, 32)) == [256, 32, 32]
+    assert session.chunk_plan(600, (256, 32)) == [256, 256, 32, 32, 32]
+    assert session.chunk_plan(200, (256,)) == [256]
+    assert sum(session.chunk_plan(1000, (64, 8))) >= 1000
+
+
+def test_common_prefix():
+    assert session.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert session.common_prefix([1, 2], [1, 2, 3]) == 2
+    assert session.common_prefix([], [1]) == 0
+    assert session.common_prefix([7], [1]) == 0
+
+
+def _conversation(talk, first_len, turns, new, rng, seed_base=0):
+    """Run `turns` turns (each prompt = the previous prompt + answer + a few new tokens); return the prompts,
+    answers, reused counts and accept lengths."""
+    convo = rng.integers(3, 250, first_len).tolist()
+    prompts, answers, kept, accepts = [], [], [], []
+    for turn in range(turns):
+        answer = [t for piece in talk.reply(convo, new, seed=seed_base + turn) for t in piece]
+        assert answer == talk.last.tokens
+        prompts.append(convo)
+        answers.append(answer)
+        kept.append(talk.last.reused_tokens)
+        accepts.append(talk.last.accept_lengths)
+        convo = convo + answer + rng.integers(3, 250, 3 + 41 * turn).tolist()
+    return prompts, answers, kept, accepts
+
+
+@pytest.mark.parametrize("tree", [TREE, StaticTree(((0,), (1,), (0, 0), (0, 0, 0))), None], ids=str)
+def test_turns_equal_decoding_from_scratch(pair, tree):
+    """Each turn's answer equals generating the whole conversation from scratch, while the caches keep all
+    but the last token of what they already held (the earlier prompts and answers)."""
+    tparams, tcfg, dparams, dcfg = pair
+    talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=512, chunks=(64, 16))
+    prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
+    for prompt, answer, accepted in zip(prompts, answers, accepts):
+        if tree is None:
+            assert answer == plain.generate(tparams, tcfg, [prompt], 20).tokens[0]
+        else:  # the head drafts from the same context too: the same cycles accept the same drafts
+            expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree)
+            assert answer == expected.tokens[0] and accepted == expected.accept_lengths[0]
+    assert kept[0] == 0
+    for before, answer, now in zip(prompts, answers, kept[1:]):
+        assert now == len(before) + len(answer) - 1
+
+
+def test_a_changed_conversation_drops_what_differs(pair):
+    """A prompt that shares only part of what the caches hold (an edited earlier turn) keeps that part."""
+    tparams, tcfg, dparams, dcfg = pair
+    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=512, chunks=(32,))
+    first = list(range(10, 70))
+    list(talk.reply(first, 8))
+    edited = first[:25] + [3, 4, 5] + first[25:]
+    answer = [t for piece in talk.reply(edited, 12) for t in piece]
+    assert talk.last.reused_tokens == 24
+    assert answer == speculative.generate(tparams, tcfg, dparams, dcfg, [edited], 12, TREE).tokens[0]
+
+
+def test_sampled_turns_equal_sampling_from_scratch(pair):
+    """With the same seed a sampled turn draws exactly what `speculative.generate` draws from scratch."""
+    tparams, tcfg, dparams, dcfg = pair
+    sc = SamplingConfig(temperature=0.9, top_p=0.95)
+    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, sc, capacity=512, chunks=(32,))
+    prompts, answers, _, _ = _conversation(talk, 20, 3, 16, np.random.default_rng(2), seed_base=5)
+    for turn, (prompt, answer) in enumerate(zip(prompts, answers)):
+        expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 16, TREE, sc, seed=5 + turn)
+        assert answer == expected.tokens[0]
+
+
+@pytest.mark.parametrize("tree", [TREE, None], ids=["speculative", "plain"])
+def test_nothing_compiles_after_warm_up(pair, compiles, tree):
+    """Prompts from 10 to 1900 tokens and several turns each run only the warmed programs."""
+    tparams, tcfg, dparams, dcfg = pair
+    talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=2048)
+    assert len(talk.programs()) == len(session.CHUNKS) + len(talk.spans) == 2 + 5
+    before_warm_up = len(compiles)
+    talk.warm_up()
+    assert len(compiles) > before_warm_up  # the listener sees compilations
+    warm = len(compiles)
+    rng = np.random.default_rng(3)
+    for length in (10, 170, 900, 1900):
+        _conversation(talk, length, 2, 24, rng)
+    assert len(compiles) == warm, compiles[warm:]
+
+
+def test_bad_sessions(pair):
+    tparams, tcfg, dparams, dcfg = pair
+    with pytest.raises(EagleError, match="positions"):
+        session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=tcfg.rope.max_position_embeddings + 1)
+    with pytest.raises(EagleError, match="draft head"):
+        session.Session(tparams, tcfg, None, None, TREE)
+    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=128, chunks=(32,))
+    with pytest.raises(EagleError, match="does not fit"):
+        list(talk.reply(list(range(5, 125)), 8))
+
+
+def test_sessions_on_a_mesh_equal_one_device(pair):
+    """A conversation with parameters and caches split over `tensor` answers as on one device."""
+    from eagle_jax.parallel import sharding
+
+    tparams, tcfg, dparams, dcfg = pair
+    mesh = sharding.make_mesh("tensor=2", jax.devices()[:2])
+    placed_t = sharding.place(tparams, sharding.target_shardings(tcfg, mesh))
+    placed_d = sharding.place(dparams, sharding.draft_shardings(dcfg, mesh))
+    one = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=256, chunks=(32,))
+    split = session.Session(placed_t, tcfg, placed_d, dcfg, TREE, capacity=256, chunks=(32,), mesh=mesh)
+    rng = np.random.default_rng(4)
+    assert _conversation(one, 30, 2, 12, rng)[1] == _conversation(split, 30, 2, 12, np.random.default_rng(4))[1]
+    assert jax.device_count() >= 2
