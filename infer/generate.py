@@ -178,14 +178,6 @@ def load_tokenizer(target_dir: Path, chat_template: str | None):
         return loading.load_tokenizer(target_dir, chat_template)
 
 
-def encode(tok, messages: list[dict[str, str]], use_template: bool) -> list[int]:
-    """Token ids of a conversation: the chat template with the generation prompt, or the raw texts joined."""
-    if use_template:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tok(text, add_special_tokens=False).input_ids)
-    return list(tok("\n".join(m["content"] for m in messages)).input_ids)
-
-
 # ---------------------------------------------------------------- generation
 
 
@@ -363,10 +355,10 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
         if not text:
             continue
         history.append({"role": "user", "content": text})
-        ids = encode(tok, history, use_template)
+        ids = loading.encode_chat(tok, history, use_template)
         while len(ids) + talk.overhead >= capacity and len(history) - first > 1:
             del history[first : first + 2]
-            ids = encode(tok, history, use_template)
+            ids = loading.encode_chat(tok, history, use_template)
         if len(ids) + talk.overhead >= capacity:
             command.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
             history.pop()
@@ -499,7 +491,7 @@ def _main(argv: Sequence[str] | None) -> int:
         prompts = ids
     else:
         system = [{"role": "system", "content": a.system}] if a.system else []
-        prompts = [encode(tok, system + [{"role": "user", "content": t}], use_template) for t in texts]
+        prompts = [loading.encode_chat(tok, system + [{"role": "user", "content": t}], use_template) for t in texts]
     s = resolve_tree(m, s, len(prompts), tok, a.auto_budget, prompts)
     single = len(prompts) == 1
     if a.demo:

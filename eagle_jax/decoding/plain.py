@@ -84,7 +84,7 @@ def extend(
 ) -> DecodeState:
     """Feed a chunk of a conversation into a cache kept from earlier chunks and turns (chunked prefill).
 
-    Each row's cache is first cut to start [B] tokens, then takes the first n [B] of tokens [B, C] at
+    Each fed row's cache is first cut to start [B] tokens, then takes the first n [B] of tokens [B, C] at
     positions start + [0, C). A row whose chunk is its last (final [B]) starts a turn with budget
     limits [B]: its first token is sampled from the last fed token's logits (key fold_in(key, 0), as
     `prefill`) and emitted. A row fed a chunk that is not its last waits (done); rows fed nothing are
@@ -92,6 +92,7 @@ def extend(
     """
     b, c = tokens.shape
     fed = n > 0
+    start = jnp.where(fed, start, state.cache.lengths)
     positions = start[:, None] + jnp.arange(c)[None, :]
     fwd = target.forward(params, cfg, tokens, positions, kv_cache.set_lengths(state.cache, start), compute_logits=False)
     cache = kv_cache.advance(fwd.cache, n)

@@ -44,6 +44,38 @@ def chunk_plan(length: int, chunks: Sequence[int] = CHUNKS) -> list[int]:
     return plan
 
 
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One chunk of a prompt to feed: tokens [C] (valid up to n), the token after each (the draft's pairs),
+    where it starts in the cache, and whether it is the prompt's last chunk."""
+
+    start: int
+    tokens: np.ndarray  # [C] int32
+    follow: np.ndarray  # [C] int32
+    n: int
+    final: bool
+
+
+def pieces(prompt: Sequence[int], keep: int, chunks: Sequence[int] = CHUNKS) -> list[Piece]:
+    """prompt[keep:] cut into chunks (`chunk_plan`), padded to their sizes."""
+    prompt = list(prompt)
+    out, pos = [], keep
+    for size in chunk_plan(len(prompt) - keep, chunks):
+        piece = prompt[pos : pos + size]
+        after = prompt[pos + 1 : pos + len(piece) + 1]  # the token after each (the root closes the last)
+        tokens, follow = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        tokens[: len(piece)], follow[: len(after)] = piece, after
+        out.append(Piece(pos, tokens, follow, len(piece), pos + size >= len(prompt)))
+        pos += size
+    return out
+
+
+def reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens of `prompt` caches holding `cached` can keep: the common prefix less one
+    (the last kept pair must be read again), and at least one prompt token is fed."""
+    return max(0, min(common_prefix(cached, prompt) - 1, len(prompt) - 1))
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
@@ -123,17 +155,9 @@ class Session:
 
     def _extend(self, prompt: list[int], keep: int, limit: np.int32, key: jax.Array) -> None:
         """Cut the caches to `keep` tokens and feed prompt[keep:] in chunks; the last chunk starts the turn."""
-        pos = keep
-        for size in chunk_plan(len(prompt) - keep, self.chunks):
-            piece = prompt[pos : pos + size]
-            tokens = np.zeros((1, size), np.int32)
-            follow = np.zeros((1, size), np.int32)
-            tokens[0, : len(piece)] = piece
-            after = prompt[pos + 1 : pos + len(piece) + 1]  # the token after each (the root closes the last)
-            follow[0, : len(after)] = after
-            final = np.array([pos + size >= len(prompt)])
-            common = (np.array([pos], np.int32), tokens)
-            rest = (np.array([len(piece)], np.int32), final, np.array([limit], np.int32), key)
+        for piece in pieces(prompt, keep, self.chunks):
+            common = (np.array([piece.start], np.int32), piece.tokens[None])
+            rest = (np.array([piece.n], np.int32), np.array([piece.final]), np.array([limit], np.int32), key)
             if self.tree is None:
                 self.state = plain.extend(self.tparams, self.state, *common, *rest, cfg=self.tcfg, sc=self.sampling)
             else:
@@ -142,13 +166,12 @@ class Session:
                     self.dparams,
                     self.state,
                     *common,
-                    follow,
+                    piece.follow[None],
                     *rest,
                     tcfg=self.tcfg,
                     dcfg=self.dcfg,
                     sampling=self.sampling,
                 )
-            pos += size
 
     def _decode(self, span: int):
         """One decode program over `span` slots: a speculative cycle, or plain steps until the span is full."""
@@ -176,8 +199,7 @@ class Session:
         accepted; `last` then holds the turn's figures. The caches keep the prompt and the answer."""
         prompt = list(prompt)
         plan = schedule.plan([len(prompt)], max_new_tokens, self.overhead, self.capacity)
-        # keep what the caches hold of this prompt, less one token: the last kept pair must be re-read
-        keep = max(0, min(common_prefix(self.cached, prompt) - 1, len(prompt) - 1))
+        keep = reusable(self.cached, prompt)
         self._key = jax.random.key(seed)
         t0 = time.perf_counter()
         self._extend(prompt, keep, plan.limits[0], self._key)

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.decoding import acceptance, schedule
+from eagle_jax.decoding import rows as rows_sampling
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.emit import PAD_ID, emit
+from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig, sample
 from eagle_jax.decoding.tree import Tree, TreeConfig
 from eagle_jax.models import draft, kv_cache, target
@@ -46,6 +48,7 @@ class SpecState:
     cycle: jax.Array  # [] int32
     accept_lengths: jax.Array  # [S, B] int32 accepted draft tokens per cycle (-1: row not running)
     key: jax.Array
+    controls: RowControls | None = None  # per-row sampling (a server's rows); None: the static setting and `key`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +164,7 @@ def extend(
     final,
     limits,
     key,
+    controls: RowControls | None = None,
     *,
     tcfg: TargetConfig,
     dcfg: DraftConfig,
@@ -168,16 +172,18 @@ def extend(
 ) -> SpecState:
     """Feed a chunk of a conversation into caches kept from earlier chunks and turns (chunked prefill).
 
-    Each row's caches are first cut to start [B] tokens (what it keeps of its past), then take the first
+    Each fed row's caches are first cut to start [B] tokens (what it keeps of its past), then take the first
     n [B] of tokens [B, C] at positions start + [0, C); next_tokens [B, C] are the tokens that follow them
     (the draft reads (feature_i, token_{i+1}) pairs). A row whose chunk is its last (final [B]) starts a turn
     with budget limits [B]: its root is sampled from the last fed token's logits (key fold_in(key, 0), as
     `prefill`) and closes the last pair. A row fed a chunk that is not its last waits (done) until it is.
-    Rows fed nothing (n = 0) are left as they were.
+    Rows fed nothing (n = 0) are left as they were. With `controls` (per-row sampling, a server's batch) the
+    starting rows take their settings and seeds from it (`rows`: keys follow sequence positions).
     """
     b, c = tokens.shape
     rows = jnp.arange(b)
     fed = n > 0
+    start = jnp.where(fed, start, state.target_cache.lengths)
     positions = start[:, None] + jnp.arange(c)[None, :]
     fwd = target.forward(
         tparams,
@@ -189,7 +195,15 @@ def extend(
         compute_logits=False,
     )
     last = jnp.maximum(n - 1, 0)
-    root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, fwd.hidden[rows, last]), sampling)
+    starts = fed & final
+    if controls is not None:
+        old = state.controls if state.controls is not None else controls
+        controls = jax.tree.map(lambda new, old: jnp.where(starts, new, old), controls, old)
+    logits = target.lm_logits(tparams, tcfg, fwd.hidden[rows, last])  # [B, V]
+    if controls is None:
+        root = sample(jax.random.fold_in(key, 0), logits, sampling)
+    else:
+        root = rows_sampling.sample(logits[:, None], controls, (start + n)[:, None])[:, 0]
     pair_tokens = next_tokens.at[rows, last].set(jnp.where(final, root, next_tokens[rows, last]))
     draft_hidden, dcache = _draft_context(
         dparams,
@@ -201,7 +215,6 @@ def extend(
         n,
         span=None,
     )
-    starts = fed & final
     return SpecState(
         target_cache=kv_cache.advance(fwd.cache, n),
         draft_cache=dcache,
@@ -215,6 +228,7 @@ def extend(
         cycle=jnp.where(jnp.any(starts), 0, state.cycle),
         accept_lengths=jnp.where(starts[None, :], -1, state.accept_lengths),
         key=key,
+        controls=controls,
     )
 
 
@@ -264,7 +278,10 @@ def _cycle(
     head = target.output_head(tparams, tcfg)
     running = ~s.done
     with jax.named_scope("draft_levels"):
-        ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
+        if isinstance(tree, trees.NoDraft):  # nothing drafted: no proposals to compute
+            ids = logp = jnp.zeros((rows.shape[0], 1))
+        else:
+            ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
     expand = _expand_fn(dparams, dcfg, embed, head, tree.top_k, span)
     start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
     tr, dcache = trees.build(tree, start, expand, s.draft_cache)
@@ -281,7 +298,7 @@ def _cycle(
             span=span,
         )
     with jax.named_scope("sample"):
-        choice = sample(jax.random.fold_in(s.key, s.cycle + 1), fwd.logits, sampling)  # [B, N] target's next tokens
+        choice = _draw(s, fwd.logits, sampling, s.cycle + 1, positions + 1)  # [B, N] target's next tokens
     with jax.named_scope("accept"):  # the deepest node whose whole path agrees; emit up to the budget and eos
         accept_len, path, bonus = acceptance.accept(tr, choice, tree.path_len)
         emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
@@ -309,8 +326,17 @@ def _cycle(
         cycle=s.cycle + 1,
         accept_lengths=s.accept_lengths.at[s.cycle].set(jnp.where(running, accept_len, -1), mode="drop"),
         key=s.key,
+        controls=s.controls,
     )
     return new, tr
+
+
+def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, positions: jax.Array) -> jax.Array:
+    """The target's choices [B, N] from logits [B, N, V] for the tokens at sequence positions [B, N]: with
+    the state's per-row controls when it has them, else the static `sampling` and the shared key at `step`."""
+    if s.controls is not None:
+        return rows_sampling.sample(logits, s.controls, positions)
+    return sample(jax.random.fold_in(s.key, step), logits, sampling)
 
 
 @functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"), donate_argnames=("state",))

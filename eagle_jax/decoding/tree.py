@@ -113,7 +113,18 @@ class StaticTree(_Envelope):
         return max(self.max_depth - 1, 1) * self.width
 
 
-TreeConfig = DynamicTree | StaticTree
+@dataclasses.dataclass(frozen=True)
+class NoDraft(_Envelope):
+    """A cycle that drafts nothing: the target verifies the root alone (plain decoding) while the head still
+    reads every accepted feature, so a batch can switch between drafting and not without losing context."""
+
+    num_nodes = 1
+    max_depth = 0
+    draft_window = 0
+    top_k = 1
+
+
+TreeConfig = DynamicTree | StaticTree | NoDraft
 
 
 @jax.tree_util.register_dataclass
@@ -295,6 +306,8 @@ def _static_levels(tree: StaticTree, lay: _StaticLayout, start: TreeStart, expan
 
 def build(tree: TreeConfig, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
     """Grow the configured tree from `start`; `expand` runs the draft (threading `state`)."""
+    if isinstance(tree, NoDraft):
+        return _finish(start.root[:, None], jnp.zeros_like(start.root)[:, None], 0), state
     builder = build_dynamic if isinstance(tree, DynamicTree) else build_static
     return builder(tree, start, expand, state)
 

@@ -100,3 +100,11 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None):
     if not tok.chat_template and chat_template is not None:
         tok.chat_template = chat_template
     return tok
+
+
+def encode_chat(tok, messages: list[dict[str, str]], use_template: bool = True) -> list[int]:
+    """Token ids of a conversation: the chat template with the generation prompt, or the raw texts joined."""
+    if use_template:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tok(text, add_special_tokens=False).input_ids)
+    return list(tok("\n".join(m["content"] for m in messages)).input_ids)

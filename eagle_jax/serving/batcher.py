@@ -1,0 +1,295 @@
+"""Continuous batching of speculative rows: a fixed number of row slots decoded together, one cycle at a time.
+
+One engine thread owns the device state (`speculative.SpecState` with per-row sampling controls, fixed
+capacity). Between cycles it brings waiting requests into free slots with the chunked prefill of
+`speculative.extend` (the other rows are untouched), picks the tree envelope for the number of live rows
+from the measured budget (`NoDraft`, plain decoding that keeps the head's context, where no tree wins),
+runs one cycle over the attention span the live rows need, and hands each row its new tokens. A finished,
+stopped or cancelled row frees its slot at once. A free slot keeps its caches: a new request sharing a
+prefix with what a slot last held (the next turn of a conversation) prefills only the rest.
+
+Every program the loop can run is compiled by `warm_up`: one `extend` per chunk size, one cycle per
+(envelope, span), and the program that retires rows. Nothing compiles afterwards.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from eagle_jax.decoding import schedule, session, speculative
+from eagle_jax.decoding.rows import RowControls
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.tree import NoDraft, TreeConfig
+from eagle_jax.errors import EagleError
+from eagle_jax.models.config import DraftConfig, TargetConfig
+
+STATIC_SAMPLING = SamplingConfig()  # unused by rows with controls; one value keeps one program per shape
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its limit; retry later."""
+
+
+@dataclasses.dataclass
+class Request:
+    """A generation request. `on_tokens(new ids)` and `on_finish(reason)` are called from the engine thread;
+    reason is "stop" (an eos id), "length" (its budget or the cache) or "cancelled"."""
+
+    prompt: list[int]
+    max_tokens: int
+    sampling: SamplingConfig
+    seed: int
+    on_tokens: Callable[[list[int]], None]
+    on_finish: Callable[[str], None]
+    cancelled: bool = False
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def cancel(self) -> None:
+        """Stop generating (a client went away or a stop string was met); the slot is freed before the next cycle."""
+        self.cancelled = True
+
+
+@dataclasses.dataclass
+class Stats:
+    """Counters for /metrics (read without locking: each is a single Python value)."""
+
+    requests: int = 0
+    finished: int = 0
+    rejected: int = 0
+    prompt_tokens: int = 0
+    kept_tokens: int = 0
+    generated_tokens: int = 0
+    cycles: int = 0
+    row_cycles: int = 0
+    cycle_seconds: float = 0.0
+    accept_histogram: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def retire(state: speculative.SpecState, rows: jax.Array) -> speculative.SpecState:
+    """Mark rows [B] bool as done (their slots become free)."""
+    return dataclasses.replace(state, done=state.done | rows)
+
+
+class Batcher:
+    """Row slots, a waiting queue and the engine thread that decodes them."""
+
+    def __init__(
+        self,
+        tparams: dict,
+        tcfg: TargetConfig,
+        dparams: dict,
+        dcfg: DraftConfig,
+        envelopes: Callable[[int], TreeConfig | None],
+        slots: int = 8,
+        capacity: int = 2048,
+        chunks: Sequence[int] = session.CHUNKS,
+        max_queue: int = 64,
+        speculate: bool = True,
+    ):
+        if capacity > tcfg.rope.max_position_embeddings:
+            raise EagleError(
+                f"--max-len {capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it"
+            )
+        self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
+        self.slots, self.capacity, self.chunks, self.max_queue = slots, capacity, tuple(chunks), max_queue
+        live = range(1, slots + 1)
+        self.envelope = {n: (envelopes(n) or NoDraft()) if speculate else NoDraft() for n in live}
+        self.overhead = max(t.cache_overhead for t in self.envelope.values())
+        dtype = tparams["embed"].dtype
+        self.state = dataclasses.replace(
+            speculative.empty_state(tcfg, dcfg, slots, capacity, dtype),
+            controls=RowControls.of([STATIC_SAMPLING] * slots, [0] * slots),
+        )
+        self.rows: list[Request | None] = [None] * slots
+        self.shown = np.zeros(slots, np.int64)  # tokens already handed to each row's request
+        self.cached: list[list[int]] = [[] for _ in range(slots)]  # what each slot's caches hold
+        self.queue: collections.deque[Request] = collections.deque()
+        self.wake = threading.Condition()
+        self.stats = Stats()
+        self.running = False
+        self.thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------ requests
+
+    def check(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Refuse a request that can never run (the caller turns this into a 400)."""
+        if not prompt:
+            raise EagleError("the prompt is empty")
+        if max_tokens < 1:
+            raise EagleError(f"max_tokens={max_tokens} must be >= 1")
+        if len(prompt) + self.overhead >= self.capacity:
+            raise EagleError(
+                f"the prompt has {len(prompt)} tokens; this server's cache holds {self.capacity} "
+                f"({self.capacity - self.overhead - 1} for a prompt); shorten it"
+            )
+
+    def submit(self, req: Request) -> None:
+        self.check(req.prompt, req.max_tokens)
+        with self.wake:
+            if len(self.queue) >= self.max_queue:
+                self.stats.rejected += 1
+                raise QueueFull(f"{len(self.queue)} requests are waiting")
+            self.queue.append(req)
+            self.stats.requests += 1
+            self.wake.notify()
+
+    @property
+    def live(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    # ------------------------------------------------------------ programs
+
+    def programs(self) -> list[str]:
+        trees = sorted({str(t) for t in self.envelope.values()})
+        spans = schedule.all_spans(self.capacity)
+        return [f"extend {c}" for c in self.chunks] + [f"cycle {t} span {s}" for t in trees for s in spans] + ["retire"]
+
+    def warm_up(self) -> float:
+        """Compile every program the loop can run, by running each once on idle rows; returns the seconds."""
+        t0 = time.perf_counter()
+        rows = np.ones(self.slots, bool)
+        for size in self.chunks:
+            piece = session.Piece(0, np.ones(size, np.int32), np.ones(size, np.int32), size, True)
+            self._feed(0, piece, 1, RowControls.of([STATIC_SAMPLING] * self.slots, [0] * self.slots))
+        for tree in set(self.envelope.values()):
+            for span in schedule.all_spans(self.capacity):
+                self.state = self._cycle(tree, span)
+        self.state = retire(self.state, rows)
+        jax.block_until_ready(self.state)
+        self.cached = [[] for _ in range(self.slots)]
+        return time.perf_counter() - t0
+
+    def _feed(self, slot: int, piece: session.Piece, limit: int, controls: RowControls) -> None:
+        b, size = self.slots, piece.tokens.shape[0]
+        tokens, follow = np.zeros((b, size), np.int32), np.zeros((b, size), np.int32)
+        tokens[slot], follow[slot] = piece.tokens, piece.follow
+        start, n, final, limits = (np.zeros(b, np.int32) for _ in range(4))
+        start[slot], n[slot], final[slot], limits[slot] = piece.start, piece.n, piece.final, limit
+        self.state = speculative.extend(
+            self.tparams,
+            self.dparams,
+            self.state,
+            start,
+            tokens,
+            follow,
+            n,
+            final.astype(bool),
+            limits,
+            jax.random.key(0),
+            controls,
+            tcfg=self.tcfg,
+            dcfg=self.dcfg,
+            sampling=STATIC_SAMPLING,
+        )
+
+    def _cycle(self, tree: TreeConfig, span: int) -> speculative.SpecState:
+        state, _ = speculative.cycle(
+            self.tparams,
+            self.dparams,
+            self.state,
+            tcfg=self.tcfg,
+            dcfg=self.dcfg,
+            tree=tree,
+            sampling=STATIC_SAMPLING,
+            span=span,
+        )
+        return state
+
+    # ------------------------------------------------------------ the loop
+
+    def _admit(self, req: Request, slot: int) -> None:
+        """Prefill a request into a free slot (keeping what the slot's caches share with its prompt)."""
+        keep = session.reusable(self.cached[slot], req.prompt)
+        limit = min(req.max_tokens, self.capacity - self.overhead - len(req.prompt))
+        settings = [STATIC_SAMPLING] * self.slots
+        seeds = [0] * self.slots
+        settings[slot], seeds[slot] = req.sampling, req.seed
+        controls = RowControls.of(settings, seeds)
+        for piece in session.pieces(req.prompt, keep, self.chunks):
+            self._feed(slot, piece, limit, controls)
+        self.rows[slot], self.shown[slot], self.cached[slot] = req, 0, list(req.prompt)
+        self.stats.prompt_tokens += len(req.prompt)
+        self.stats.kept_tokens += keep
+
+    def _free_slot(self, prompt: list[int]) -> int:
+        """The free slot whose caches share the longest prefix with `prompt`."""
+        free = [s for s, r in enumerate(self.rows) if r is None]
+        return max(free, key=lambda s: session.common_prefix(self.cached[s], prompt))
+
+    def _finish(self, slot: int, reason: str) -> None:
+        req = self.rows[slot]
+        self.rows[slot] = None
+        self.stats.finished += 1
+        req.on_finish(reason)
+
+    def step(self) -> bool:
+        """Admit what fits, run one cycle, hand out tokens. Returns False when there was nothing to do."""
+        cancelled = np.array([r is not None and r.cancelled for r in self.rows])
+        if cancelled.any():
+            self.state = retire(self.state, cancelled)
+            for slot in np.flatnonzero(cancelled):
+                self._finish(int(slot), "cancelled")
+        while self.queue and self.live < self.slots:
+            with self.wake:
+                req = self.queue.popleft()
+            if req.cancelled:
+                req.on_finish("cancelled")
+                continue
+            self._admit(req, self._free_slot(req.prompt))
+        live = [s for s, r in enumerate(self.rows) if r is not None]
+        if not live:
+            return False
+        tree = self.envelope[len(live)]
+        needed = speculative.host_slots_needed(self.state, tree)
+        span = schedule.attention_span(int(needed[live].max()), self.capacity)
+        t0 = time.perf_counter()
+        self.state = self._cycle(tree, span)
+        counts, done, eos, out = jax.device_get((self.state.counts, self.state.done, self.state.eos, self.state.out))
+        self.stats.cycle_seconds += time.perf_counter() - t0
+        self.stats.cycles += 1
+        for slot in live:
+            req = self.rows[slot]
+            new = out[slot, self.shown[slot] : counts[slot]].tolist()
+            self.stats.row_cycles += 1
+            self.stats.accept_histogram[max(0, len(new) - 1)] += 1
+            if new:
+                self.shown[slot] = counts[slot]
+                self.cached[slot] += new
+                self.stats.generated_tokens += len(new)
+                req.on_tokens(new)
+            if done[slot]:
+                self._finish(slot, "stop" if eos[slot] else "length")
+        return True
+
+    def run(self) -> None:
+        """The engine loop (runs until `stop`)."""
+        while self.running:
+            if not self.step():
+                with self.wake:
+                    if self.running and not self.queue:
+                        self.wake.wait(timeout=0.5)
+
+    def start(self) -> None:
+        self.running = True
+        self.thread = threading.Thread(target=self.run, name="eagle-jax-engine", daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.running = False
+        with self.wake:
+            self.wake.notify()
+        if self.thread is not None:
+            self.thread.join(timeout=30)

@@ -1,0 +1,106 @@
+"""Serve a target and its EAGLE head with an OpenAI-compatible API and continuous batching.
+
+    python -m infer.serve [--target DIR --draft DIR | --config PRESET --models DIR] [--host 127.0.0.1]
+        [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--no-spec] [--dtype fp32]
+
+Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
+/metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
+each number of live rows is read from the head's measured budget (or measured here once and cached) and
+every program the engine can run is compiled; the log says which and how long it took.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+from cli import budget, command, demo, presets
+from eagle_jax.decoding import budget as budgets
+from eagle_jax.errors import EagleError
+from eagle_jax.io import loading
+from eagle_jax.serving import api, batcher
+
+MEASURED_BATCHES = (1, 4, 8, 16)
+
+
+def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
+    """The measured envelope for each batch size up to max_batch (from the head's budget.json or the cache)."""
+    calibration = budget.calibration_prompts(tok)
+    sizes = sorted({b for b in MEASURED_BATCHES if b <= max_batch} | {1})
+    choices = {b: budget.default_tree(models, paths, b, calibration, log=log) for b in sizes}
+    return budgets.Budget(budgets.device_kind(), choices)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = command.ArgumentParser(prog="python -m infer.serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
+    p.add_argument("--models", help="folder holding the preset's checkpoints")
+    p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
+    p.add_argument("--draft", help="store or official EAGLE head folder (default: the target store's, or the demo's)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="row slots decoded together")
+    p.add_argument("--max-len", type=int, default=2048, help="cache capacity per row (prompt + answer)")
+    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429s")
+    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding (the head only follows along)")
+    p.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
+    a = p.parse_args(argv)
+    for name in ("max_batch", "max_len", "max_queue", "max_tokens"):
+        if getattr(a, name) < 1:
+            raise EagleError(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= a.port <= 65535:
+        raise EagleError(f"--port {a.port} must lie in 0..65535")
+    preset = presets.load_preset(a.config) if a.config else None
+    if a.target is None and preset is None:  # the demo pair, in float32 as the demo runs it
+        target_dir, draft_dir = demo.TARGET, Path(a.draft or demo.DRAFT)
+    else:
+        target_dir = Path(a.target) if a.target else preset.model_dir("target", a.models)
+        draft_dir = Path(a.draft) if a.draft else (target_dir if loading.holds_draft(target_dir) else None)
+        if draft_dir is None and preset is not None:
+            draft_dir = preset.model_dir("draft", a.models)
+        if draft_dir is None:
+            raise EagleError(f"no draft head: pass --draft DIR ({target_dir} holds none)")
+    demo_pair = a.target is None and preset is None
+    dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else "fp32" if demo_pair else None))
+    tcfg, tparams = loading.load_target(target_dir, dtype)
+    dcfg, dparams = loading.load_draft(draft_dir, tcfg, dtype=tparams["embed"].dtype)
+    tparams, dparams = jax.device_put(tparams), jax.device_put(dparams)
+    with command.flag("--target"):
+        tok = loading.load_tokenizer(target_dir, preset.chat_template if preset else None)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    measured = (
+        None if a.no_spec else envelopes((tcfg, tparams, dcfg, dparams), (target_dir, draft_dir), a.max_batch, tok, log)
+    )
+    engine = batcher.Batcher(
+        tparams,
+        tcfg,
+        dparams,
+        dcfg,
+        (lambda n: measured.for_batch(n)) if measured else (lambda n: None),
+        a.max_batch,
+        a.max_len,
+        max_queue=a.max_queue,
+        speculate=not a.no_spec,
+    )
+    names = engine.programs()
+    log(f"warm-up: {len(names)} programs compiled in {engine.warm_up():.1f} s ({', '.join(names)})")
+    for n, tree in sorted(engine.envelope.items()):
+        log(f"  {n} live row{'s' if n > 1 else ''}: {tree}")
+    import uvicorn
+
+    app = api.create_app(engine, tok, target_dir.name, a.max_tokens)
+    log(f"serving {target_dir.name} on http://{a.host}:{a.port}/v1")
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return command.run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,235 @@
+"""The OpenAI-compatible server on localhost, driven by the official `openai` client: continuous batching of
+speculative rows must answer every request as plain decoding of it alone would."""
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+from eagle_jax.decoding import plain  # noqa: E402
+from eagle_jax.decoding.tree import DynamicTree  # noqa: E402
+from eagle_jax.io import loading  # noqa: E402
+from eagle_jax.serving import api, batcher  # noqa: E402
+
+DEMO = Path(__file__).resolve().parents[1] / "demo"
+SLOTS = 4
+QUESTIONS = [
+    "How do I make a cup of tea?",
+    "What are some tips for writing a good resume?",
+    "Tell me about the history of the bicycle in a few sentences.",
+    "Why is the sky blue?",
+    "Write a short poem about the sea.",
+    "What is the capital of France and what is it known for?",
+    "Give me three ideas for a birthday party.",
+    "How does a refrigerator keep food cold?",
+]
+
+
+def envelope(live: int):
+    """A tree for one or two rows, a chain for three, plain decoding (the head following along) for four."""
+    return {1: DynamicTree(16, 4, 4), 2: DynamicTree(16, 4, 4), 3: DynamicTree(5, 3, 1)}.get(live)
+
+
+@pytest.fixture(scope="module")
+def served():
+    tcfg, tparams = loading.load_target(DEMO / "target", jnp.float32)  # stored in fp16: fp32 as the demo runs
+    dcfg, dparams = loading.load_draft(DEMO / "eagle3", tcfg, dtype=jnp.float32)
+    tok = loading.load_tokenizer(DEMO / "target")
+    engine = batcher.Batcher(tparams, tcfg, dparams, dcfg, envelope, slots=SLOTS, capacity=256, chunks=(64, 16))
+    engine.warm_up()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(api.create_app(engine, tok, "demo"), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", engine, (tcfg, tparams, tok)
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def client(url):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+
+
+def plain_answer(models, question: str, max_tokens: int) -> str:
+    tcfg, tparams, tok = models
+    ids = loading.encode_chat(tok, [{"role": "user", "content": question}])
+    return tok.decode(plain.generate(tparams, tcfg, [ids], max_tokens).tokens[0], skip_special_tokens=True)
+
+
+def ask(url, question: str, max_tokens: int, stream: bool = False, **kw) -> tuple[str, str]:
+    messages = [{"role": "user", "content": question}]
+    c = client(url)
+    if not stream:
+        r = c.chat.completions.create(model="demo", messages=messages, max_tokens=max_tokens, stream=False, **kw)
+        return r.choices[0].message.content, r.choices[0].finish_reason
+    text, reason = "", None
+    for chunk in c.chat.completions.create(model="demo", messages=messages, max_tokens=max_tokens, stream=True, **kw):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def test_concurrent_clients_get_what_plain_decoding_alone_gives(served):
+    """16 clients at once, mixed questions, answer lengths and streaming, over 4 slots (so rows join and leave
+    a running batch and the envelope changes with the load): every answer equals plain greedy decoding."""
+    url, engine, models = served
+    jobs = [(QUESTIONS[i % len(QUESTIONS)], 8 + 7 * (i % 5), i % 2 == 0) for i in range(16)]
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda job: ask(url, *job, temperature=0), jobs))
+    for (question, max_tokens, _), (text, reason) in zip(jobs, answers):
+        assert text == plain_answer(models, question, max_tokens)
+        assert reason in ("stop", "length")
+    assert engine.live == 0 and engine.stats.kept_tokens > 0  # repeated questions reuse slot caches
+
+
+def test_streamed_and_whole_answers_agree_and_count_usage(served):
+    url, _, models = served
+    whole = client(url).chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=20, temperature=0
+    )
+    streamed = ask(url, QUESTIONS[0], 20, stream=True, temperature=0)
+    assert whole.choices[0].message.content == streamed[0] and whole.choices[0].finish_reason == streamed[1]
+    tok = models[2]
+    prompt = loading.encode_chat(tok, [{"role": "user", "content": QUESTIONS[0]}])
+    assert whole.usage.prompt_tokens == len(prompt) and 0 < whole.usage.completion_tokens <= 20
+    text = client(url).completions.create(model="demo", prompt="The weather today", max_tokens=12, temperature=0)
+    ids = list(tok("The weather today").input_ids)
+    expected = tok.decode(plain.generate(models[1], models[0], [ids], 12).tokens[0], skip_special_tokens=True)
+    assert text.choices[0].text == expected and text.usage.completion_tokens == 12
+
+
+def test_seeded_samples_reproduce_whatever_runs_beside_them(served):
+    """A sampled request with a seed gives the same answer alone and amid other rows; another seed differs."""
+    url, _, _ = served
+    kw = dict(temperature=0.9, top_p=0.95, seed=7)
+    alone = ask(url, QUESTIONS[1], 30, **kw)[0]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        crowd = [pool.submit(ask, url, QUESTIONS[i], 30, temperature=0.7, seed=i) for i in range(3)]
+        amid = pool.submit(ask, url, QUESTIONS[1], 30, **kw).result()[0]
+        [f.result() for f in crowd]
+    assert amid == alone
+    assert ask(url, QUESTIONS[1], 30, temperature=0.9, top_p=0.95, seed=8)[0] != alone
+
+
+def test_stop_strings_end_the_answer(served):
+    url, _, models = served
+    full = plain_answer(models, QUESTIONS[3], 40)
+    stop = full[10:14]
+    text, reason = ask(url, QUESTIONS[3], 40, temperature=0, stop=[stop])
+    assert reason == "stop" and text == full[: full.find(stop)]
+
+
+def test_a_client_that_goes_away_frees_its_slot(served):
+    url, engine, models = served
+    body = {"model": "demo", "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 200}
+    body |= {"stream": True, "temperature": 0}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(ask, url, QUESTIONS[4], 30, temperature=0)
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+        assert other.result()[0] == plain_answer(models, QUESTIONS[4], 30)
+    deadline = time.time() + 30
+    while engine.live and time.time() < deadline:
+        time.sleep(0.05)
+    assert engine.live == 0
+    assert httpx.get(f"{url}/health").json()["running_rows"] == 0
+
+
+BAD_REQUESTS = {
+    "malformed JSON": (b"{not json", 400),
+    "not an object": (b"[1, 2]", 400),
+    "unknown model": ({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404),
+    "no messages": ({"model": "demo", "messages": []}, 400),
+    "max_tokens 0": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+    "negative temperature": ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
+    "top_p 0": ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
+    "n 2": ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
+    "prompt longer than the cache": ({"messages": [{"role": "user", "content": "word " * 600}]}, 400),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_get_openai_errors(served, case):
+    url, engine, _ = served
+    body, status = BAD_REQUESTS[case]
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{url}/v1/chat/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["message"] and error["type"]
+    assert httpx.get(f"{url}/health").status_code == 200 and engine.live == 0
+
+
+def test_a_full_queue_says_when_to_retry(served, monkeypatch):
+    url, engine, _ = served
+    monkeypatch.setattr(engine, "max_queue", 0)
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+    assert r.json()["error"]["type"] == "rate_limit_error"
+
+
+def test_models_health_metrics(served):
+    url, engine, _ = served
+    assert [m.id for m in client(url).models.list().data] == ["demo"]
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"
+    text = httpx.get(f"{url}/metrics").text
+    figures = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert int(figures["eagle_jax_requests_total"]) == engine.stats.requests > 0
+    assert float(figures["eagle_jax_tau"]) >= 1.0
+    assert int(figures['eagle_jax_accept_length_bucket{le="+Inf"}']) == int(figures["eagle_jax_accept_length_count"])
+
+
+def test_rows_sampling_matches_the_static_rule():
+    """Per-row processed distributions equal `sampling.processed_logits` for each row's own settings."""
+    import jax.numpy as jnp
+
+    from eagle_jax.decoding import rows, sampling
+
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(size=(4, 3, 50)).round(1), jnp.float32)  # rounded: ties at the top-k edge
+    settings = [
+        sampling.SamplingConfig(0.7, 1.0, 0),
+        sampling.SamplingConfig(1.3, 0.8, 0),
+        sampling.SamplingConfig(1.0, 1.0, 5),
+        sampling.SamplingConfig(0.5, 0.6, 7),
+    ]
+    got = rows.processed_logits(logits, rows.RowControls.of(settings, [0, 1, 2, 3]))
+    for r, sc in enumerate(settings):
+        np.testing.assert_array_equal(np.asarray(got[r]), np.asarray(sampling.processed_logits(logits[r], sc)))
+
+
+def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
+    """Keys follow sequence positions, so a seeded sampled row gives the same tokens with a tree, a chain or
+    plain decoding (`NoDraft`): speculation leaves each row's sampling law as its own settings make it."""
+    from eagle_jax.decoding.sampling import SamplingConfig
+
+    tcfg, tparams = golden_target
+    dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
+    prompt = list(range(20, 60))
+    answers = []
+    for tree in (DynamicTree(16, 4, 4), DynamicTree(5, 4, 1), None):
+        engine = batcher.Batcher(tparams, tcfg, dparams, dcfg, lambda n, t=tree: t, slots=2, capacity=256, chunks=(32,))
+        for seed, sc in ((3, SamplingConfig(0.8, 0.9, 0)), (4, SamplingConfig(1.0, 1.0, 20))):
+            out: list[int] = []
+            engine.submit(batcher.Request(prompt, 40, sc, seed, out.extend, lambda why: None))
+            answers.append(out)
+        while engine.step():
+            pass
+    assert answers[0] == answers[2] == answers[4] and answers[1] == answers[3] == answers[5]
+    assert answers[0] != answers[1] and len(answers[0]) == 40
