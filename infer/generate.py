@@ -38,7 +38,7 @@ from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult
 from eagle_jax.decoding.tree import DynamicTree, StaticTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
-from eagle_jax.io import loading
+from eagle_jax.io import files, loading
 from eagle_jax.models.config import DRAFT_KINDS, DraftConfig, TargetConfig
 from eagle_jax.parallel import sharding
 
@@ -322,9 +322,12 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
     }
 
 
+JSON_REPORT = files.json_with("output_ids", "accept_lengths")  # an earlier --json of this command
+
+
 def _write_json(path: str, doc: dict) -> None:
     try:
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+        files.write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         raise EagleError(f"--json {path}: cannot write ({exc.strerror})") from None
 
@@ -464,13 +467,20 @@ def _main(argv: Sequence[str] | None) -> int:
     with command.flag("--mesh"):
         sharding.parse_mesh(mesh_text)
     s = settings_from_args(a, preset)
+    if a.json:
+        inputs = [p for p in (a.prompt_file, a.target, a.draft, a.config) if p]
+        files.check_output_file(a.json, "--json", inputs, JSON_REPORT)
     ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else None
     prompt_file = None
     if a.prompt_file is not None:
         try:
-            prompt_file = Path(a.prompt_file).read_text()
+            prompt_file = Path(a.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise EagleError(f"--prompt-file {a.prompt_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise EagleError(
+                f"--prompt-file {a.prompt_file}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+            ) from None
     texts = a.prompt or ([prompt_file] if prompt_file is not None else None)
     for flag, given in (("--json", a.json), ("--compare", a.compare)):
         if given and ids is None and texts is None:
