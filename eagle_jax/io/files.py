@@ -127,11 +127,11 @@ def _holds(out: Path, given: str | Path) -> bool:
 
 
 def check_output_directory(
-    out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False, owned: Iterable[str] = ()
+    out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False, owned: Iterable[str] | None = ()
 ) -> Path:
     """Refuse, before any work, an output folder that is a file, is an input or holds one, cannot
-    be created, or exists and is not empty; with `overwrite`, a folder is replaced only when it holds nothing
-    but the names this command writes (`owned`)."""
+    be created, or exists and is not empty; with `overwrite`, a folder is accepted only when it holds nothing
+    but the names this command writes (`owned`; None: the caller recognised the folder as its own)."""
     out = Path(out).absolute()
     if out.exists() and not out.is_dir():
         raise EagleError(f"{out}: is a file, not a folder")
@@ -145,7 +145,7 @@ def check_output_directory(
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise EagleError(f"{out}: already exists and is not empty")
-        strangers = sorted(p.name for p in out.iterdir() if p.name not in set(owned))
+        strangers = [] if owned is None else sorted(p.name for p in out.iterdir() if p.name not in set(owned))
         if strangers:
             shown = ", ".join(strangers[:3]) + (" ..." if len(strangers) > 3 else "")
             raise EagleError(
