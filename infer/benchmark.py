@@ -41,7 +41,7 @@ from cli import budget as cli_budget
 from cli import command, demo
 from eagle_jax.decoding import acceptance, budget, plain, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.decoding.tree import DynamicTree, check_fits
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
 from eagle_jax.training import data
@@ -388,6 +388,8 @@ def run_benchmark(args, log=print) -> dict:
         args.seed,
     )
     tree, auto = choose_tree(runner, args, files_, log)
+    if tree is not None:
+        check_fits(tree, runner.dcfg.draft_vocab_size)
     runner.set_tree(tree)
     log(f"envelope for batch {args.batch}: {tree if tree else 'plain decoding (no envelope wins here)'}")
     max_accept = tree.max_depth if tree else 0

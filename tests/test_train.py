@@ -236,6 +236,7 @@ def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_d
         ([*base, "--mesh", "data=two"], "--mesh: bad mesh entry 'data=two'"),
         ([*base, "--mesh", "data=3"], "does not divide the 8 devices"),
         ([*base, "--mesh", "data=8", "--batch-size", "4"], "batch"),
+        ([*base, "--mesh", "tensor=8"], "does not divide heads=4 of the target"),
         (["--target", target_dir, "--data", bad, "--out", tmp_path / "o"], f"{bad}: record 1: no 'conversations'"),
         (
             ["--target", target_dir, "--data", tmp_path / "missing.jsonl", "--out", tmp_path / "o"],

@@ -279,6 +279,7 @@ def train(rc: RunConfig) -> dict:
     else:
         dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
         trainable_init = objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0]
+    sharding.check_mesh(mesh, tcfg, dcfg)  # an axis that does not divide a model dimension: an error, not replication
     examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
     log(f"data: {stats.summary()}")
     prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
