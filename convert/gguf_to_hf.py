@@ -34,7 +34,7 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--out", required=True, help="Hugging Face model folder to write (absent or empty)")
     a = p.parse_args(argv)
     with command.flag("--out", "choose another --out or remove it"):
-        files.check_new_directory(a.out)
+        files.check_output_directory(a.out, (a.gguf,))
     model = read_gguf(a.gguf, progress=True)
     out = write_hf_folder(model, tokenizer_from_gguf(a.gguf), a.out)
     print(f"wrote {', '.join(sorted(f.name for f in out.iterdir()))} to {out}")

@@ -23,11 +23,12 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--draft", required=True, help="store directory holding a draft head")
     p.add_argument("--out", required=True, help="official head directory to write")
     p.add_argument("--dtype", choices=tuple(command.DTYPES), help="cast floating weights (default: the stored dtype)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out that holds only an exported head"
+    )
     a = p.parse_args(argv)
-    if not a.overwrite:
-        with command.flag("--out", "choose another --out or pass --overwrite"):
-            files.check_new_directory(a.out)
+    with command.flag("--out", "choose another --out" + ("" if a.overwrite else " or pass --overwrite")):
+        files.check_output_directory(a.out, (a.draft,), a.overwrite, official.OFFICIAL_FILES)
     written = official.export_store_head(a.draft, a.out, command.parse_dtype(a.dtype), a.overwrite)
     if "pytorch_model.bin" not in written:
         command.warn("torch is not installed: pytorch_model.bin skipped (model.safetensors holds the same tensors)")

@@ -28,12 +28,14 @@ def _main(argv: Sequence[str] | None) -> int:
         "--dtype", choices=tuple(command.DTYPES), help="cast floating weights (default: keep the files' dtype)"
     )
     p.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected from its keys)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    p.add_argument(
+        "--overwrite", action="store_true", help="replace an existing --out that holds only a store (never an input)"
+    )
     p.add_argument("--verify", action="store_true", help="compare one torch and one JAX forward of each model")
     a = p.parse_args(argv)
-    if not a.overwrite:
-        with command.flag("--out", "choose another --out or pass --overwrite"):
-            files.check_new_directory(a.out)
+    inputs = [p for p in (a.target, a.draft) if p is not None]
+    with command.flag("--out", "choose another --out" + ("" if a.overwrite else " or pass --overwrite")):
+        files.check_output_directory(a.out, inputs, a.overwrite, store.STORE_NAMES)
     out = convert.convert(a.target, a.draft, a.out, command.parse_dtype(a.dtype), a.draft_kind, a.overwrite)
     m = store.read_manifest(out)
     print(f"wrote {out}: target {m.target_dtype}" + (f", {m.draft_kind} head {m.draft_dtype}" if m.draft_kind else ""))

@@ -41,7 +41,7 @@ from cli import budget as cli_budget
 from cli import command, demo
 from eagle_jax.decoding import acceptance, budget, plain, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.decoding.tree import DynamicTree, check_fits
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
 from eagle_jax.training import data
@@ -64,7 +64,7 @@ def read_questions(path: Path, limit: int | None) -> list[dict]:
         out.append(
             {"question_id": q.get("question_id", n), "category": str(q.get("category") or path.stem), "turns": turns}
         )
-        if limit and len(out) >= limit:
+        if limit is not None and len(out) >= limit:
             break
     if not out:
         raise EagleError(f"{path}: no questions")
@@ -246,10 +246,7 @@ def summarise(records: list[dict], timings: dict[int, dict], max_accept: int) ->
 
 
 def markdown(report: dict) -> str:
-    head = (
-        "| set | questions | turns | tau | spec tok/s | plain tok/s | speedup | c | mismatches |\n"
-        "|---|---|---|---|---|---|---|---|---|\n"
-    )
+    head = MD_HEAD + "|---|---|---|---|---|---|---|---|---|\n"
 
     def row(name, s):
         sp = f"{s['speedup']:.2f}x" if s["speedup"] else "-"
@@ -300,6 +297,10 @@ def markdown(report: dict) -> str:
     return "".join(lines)
 
 
+PNG_TITLE = "eagle-jax infer.benchmark"  # written into the PNG: how a rerun recognises its own plot
+MD_HEAD = "| set | questions | turns | tau | spec tok/s | plain tok/s | speedup | c | mismatches |\n"
+
+
 def plot(report: dict, path: Path) -> None:
     import matplotlib
 
@@ -332,7 +333,7 @@ def plot(report: dict, path: Path) -> None:
         f"{report['batch']})"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata={"Title": PNG_TITLE})
     plt.close(fig)
 
 
@@ -387,6 +388,8 @@ def run_benchmark(args, log=print) -> dict:
         args.seed,
     )
     tree, auto = choose_tree(runner, args, files_, log)
+    if tree is not None:
+        check_fits(tree, runner.dcfg.draft_vocab_size)
     runner.set_tree(tree)
     log(f"envelope for batch {args.batch}: {tree if tree else 'plain decoding (no envelope wins here)'}")
     max_accept = tree.max_depth if tree else 0
@@ -482,7 +485,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--questions", nargs="+", required=True, help="question files (JSONL: question_id, category, turns)"
     )
-    ap.add_argument("--limit", type=int, default=None, help="first N questions of each file")
+    ap.add_argument("--limit", type=int, default=None, help="first N >= 1 questions of each file (default: all)")
     ap.add_argument("--batch", type=int, default=1, help="questions decoded together")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
@@ -516,27 +519,58 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise EagleError("--save-budget writes what --auto-budget measures: add --auto-budget")
     if args.batch < 1:
         raise EagleError(f"--batch must be >= 1, got {args.batch}")
+    if args.limit is not None and args.limit < 1:
+        raise EagleError(f"--limit must be >= 1, got {args.limit}; leave it out to run every question")
+    if args.max_prompt_tokens < 1:
+        raise EagleError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     with command.flag("--budget-batches"):
         args.budget_batches = [int(b) for b in args.budget_batches.split(",") if b.strip()]
     return args
 
 
-def _main(argv=None) -> int:
-    args = parse_args(argv)
-    log = (lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
-    report = run_benchmark(args, log)
+def output_paths(args) -> tuple[Path, Path, Path]:
+    """(JSON, Markdown, PNG) report paths, checked before any work: distinct, writable, no input, and
+    new or this command's earlier reports; --save-budget is checked the same way."""
     out = (
         Path(args.json)
         if args.json
         else Path("runs/benchmark") / ("_".join(Path(q).stem for q in args.questions) + ".json")
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix != ".json":
+        raise EagleError(f"--json {out}: name a .json file (the .md and .png reports are written next to it)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise EagleError(f"--json {out}: cannot create its folder ({exc.strerror}); choose another path") from None
+    inputs = [*args.questions, args.target, args.draft, *([args.chat_template] if args.chat_template else [])]
+    paths = (out, out.with_suffix(".md"), out.with_suffix(".png"))
+    for path, ours in zip(paths, REPORTS):
+        files.check_output_file(path, "--json", inputs, ours)
+    if args.save_budget:
+        if Path(args.save_budget).absolute() in {p.absolute() for p in paths}:
+            raise EagleError(f"--save-budget {args.save_budget}: is also a report path; name another file")
+        files.check_output_file(args.save_budget, "--save-budget", inputs, files.json_with("device", "choices"))
+    return paths
+
+
+REPORTS = (
+    files.json_with("tau", "speedup", "n_alpha"),
+    files.holds_bytes(MD_HEAD.encode()),
+    files.holds_bytes(PNG_TITLE.encode()),
+)
+
+
+def _main(argv=None) -> int:
+    args = parse_args(argv)
+    out, md_path, png_path = output_paths(args)
+    log = (lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    report = run_benchmark(args, log)
     files.write_text_atomic(out, json.dumps(report, indent=2) + "\n")
     md = markdown(report)
-    files.write_text_atomic(out.with_suffix(".md"), md)
-    plot(report, out.with_suffix(".png"))
+    files.write_text_atomic(md_path, md)
+    plot(report, png_path)
     print(md)
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    print(f"wrote {out}, {md_path}, {png_path}")
     return 0
 
 

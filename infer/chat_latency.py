@@ -121,7 +121,9 @@ def _main(argv: Sequence[str] | None) -> int:
         if getattr(a, name) < 1:
             raise EagleError(f"--{name.replace('_', '-')} must be >= 1")
     if a.json:
-        files.check_output_file(a.json, "--json")
+        files.check_output_file(
+            a.json, "--json", [p for p in (a.target, a.draft) if p], files.json_with("warm_up_s", "programs", "turns")
+        )
     target_path = Path(a.target or demo.TARGET)
     draft_path = (
         None if a.no_spec else Path(a.draft or (target_path if loading.holds_draft(target_path) else demo.DRAFT))

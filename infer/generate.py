@@ -21,6 +21,7 @@ sample question (or --prompt) with its tree, in float32, with --warmup and --com
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -36,9 +37,9 @@ from cli import budget, command, demo, presets
 from eagle_jax.decoding import plain, programs, schedule, session, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult
-from eagle_jax.decoding.tree import DynamicTree, StaticTree, TreeConfig, parse_static
+from eagle_jax.decoding.tree import DynamicTree, StaticTree, TreeConfig, check_fits, parse_static
 from eagle_jax.errors import EagleError
-from eagle_jax.io import loading
+from eagle_jax.io import files, loading
 from eagle_jax.models.config import DRAFT_KINDS, DraftConfig, TargetConfig
 from eagle_jax.parallel import sharding
 
@@ -154,6 +155,18 @@ def load_models(target_dir: Path, draft_dir: Path | None, kind: str | None, dtyp
     if mesh is None:
         dparams = jax.device_put(dparams)
     return Models(tcfg, tparams, dcfg, dparams, target_dir, draft_dir, mesh)
+
+
+def check_settings_fit(s: Settings, m: Models) -> None:
+    """Refuse a --max-len past the target's positions, or a tree wider than the head's draft vocabulary."""
+    positions = m.tcfg.rope.max_position_embeddings
+    if s.max_len is not None and s.max_len > positions:
+        raise EagleError(
+            f"--max-len {s.max_len} exceeds the target's {positions} positions (max_position_embeddings); "
+            f"use at most {positions}"
+        )
+    if s.tree is not None and m.dcfg is not None:
+        check_fits(s.tree, m.dcfg.draft_vocab_size)
 
 
 def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[Path, Path | None]:
@@ -314,9 +327,12 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
     }
 
 
+JSON_REPORT = files.json_with("output_ids", "accept_lengths")  # an earlier --json of this command
+
+
 def _write_json(path: str, doc: dict) -> None:
     try:
-        Path(path).write_text(json.dumps(doc, indent=2) + "\n")
+        files.write_text_atomic(path, json.dumps(doc, indent=2) + "\n")
     except OSError as exc:
         raise EagleError(f"--json {path}: cannot write ({exc.strerror})") from None
 
@@ -456,22 +472,30 @@ def _main(argv: Sequence[str] | None) -> int:
     with command.flag("--mesh"):
         sharding.parse_mesh(mesh_text)
     s = settings_from_args(a, preset)
+    if a.json:
+        inputs = [p for p in (a.prompt_file, a.target, a.draft, a.config) if p]
+        files.check_output_file(a.json, "--json", inputs, JSON_REPORT)
     ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else None
     prompt_file = None
     if a.prompt_file is not None:
         try:
-            prompt_file = Path(a.prompt_file).read_text()
+            prompt_file = Path(a.prompt_file).read_text(encoding="utf-8")
         except OSError as exc:
             raise EagleError(f"--prompt-file {a.prompt_file}: {exc.strerror}") from None
+        except UnicodeDecodeError as exc:
+            raise EagleError(
+                f"--prompt-file {a.prompt_file}: not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8"
+            ) from None
     texts = a.prompt or ([prompt_file] if prompt_file is not None else None)
     for flag, given in (("--json", a.json), ("--compare", a.compare)):
         if given and ids is None and texts is None:
             raise EagleError(f"{flag} needs a prompt (--prompt, --prompt-file or --prompt-ids)")
     target_dir, draft_dir = resolve_dirs(a, preset)
     dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else None))
-    with command.flag("--mesh"):
+    with command.flag("--mesh") if mesh_text else contextlib.nullcontext():  # names --mesh only when one is given
         mesh = sharding.make_mesh(mesh_text) if mesh_text else None
         m = load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh)
+    check_settings_fit(s, m)
 
     tok = None
     if ids is None:

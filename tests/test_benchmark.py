@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -224,3 +225,71 @@ def test_demo_pair_lossless():
         spec = speculative.generate(tparams, tcfg, dparams, dcfg, [ids], 64, tree)
         assert spec.tokens[0] == plain.tokens[0]
         assert spec.tau > 2.0  # the trained head gets most drafts accepted
+
+
+# ---------------------------------------------------------------- bad input: one line, exit code 2, no file changed
+
+BAD_INPUT = {
+    "--limit 0": (["--limit", "0"], "--limit must be >= 1"),
+    "--max-prompt-tokens 0": (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
+    "--max-prompt-tokens -5": (["--max-prompt-tokens", "-5"], "--max-prompt-tokens must be >= 1"),
+    "--json not .json (the .md would overwrite it)": (["--json", "{tmp}/report.md"], "name a .json file"),
+    "--json a folder": (["--json", "{tmp}/folder.json"], "is a folder"),
+    "--json the questions": (["--json", "{tmp}/q.json"], "is also an input"),
+    "--json a user's file": (["--json", "{tmp}/mine.json"], "was not written by this command"),
+    "derived .md is a user's file": (["--json", "{tmp}/notes.json"], "notes.md: exists and was not written"),
+    "--json in a read-only folder": (["--json", "{tmp}/ro/r.json"], "not writable"),
+    "--json under a file": (["--json", "{tmp}/mine.json/r.json"], "cannot create its folder"),
+    "--save-budget the report": (
+        ["--json", "{tmp}/r.json", "--auto-budget", "--save-budget", "{tmp}/r.json"],
+        "is also a report path",
+    ),
+}
+
+
+@pytest.fixture
+def bad_input_dir(tmp_path) -> Path:
+    q = tmp_path / "q.json"
+    q.write_text(json.dumps({"question_id": 1, "turns": ["Hello?"]}) + "\n")
+    (tmp_path / "folder.json").mkdir()
+    (tmp_path / "mine.json").write_text('{"mine": true}\n')
+    (tmp_path / "notes.md").write_text("my notes\n")
+    (tmp_path / "ro").mkdir(mode=0o555)
+    return tmp_path
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line(case, bad_input_dir, capsys):
+    from badinput import assert_refused, snapshot
+
+    from infer import benchmark
+
+    args, expected = BAD_INPUT[case]
+    if "read-only" in case and os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    args = [a.format(tmp=bad_input_dir) for a in args]
+    if "--json" not in args:
+        args += ["--json", str(bad_input_dir / "r.json")]
+    before = snapshot(bad_input_dir)
+    code = benchmark.main(["--questions", str(bad_input_dir / "q.json"), *args, "--quiet"])
+    assert_refused(code, capsys.readouterr().err, expected)
+    assert snapshot(bad_input_dir) == before
+
+
+def test_reports_of_an_earlier_run_are_recognised(tmp_path):
+    from infer import benchmark
+
+    out = tmp_path / "r.json"
+    report = {"tau": 1.0, "speedup": 1.0, "n_alpha": []}
+    out.write_text(json.dumps(report))
+    out.with_suffix(".md").write_text(benchmark.MD_HEAD)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure()
+    fig.savefig(out.with_suffix(".png"), metadata={"Title": benchmark.PNG_TITLE})
+    plt.close(fig)
+    for path, ours in zip((out, out.with_suffix(".md"), out.with_suffix(".png")), benchmark.REPORTS):
+        assert ours(path), path

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from badinput import assert_refused, snapshot
+from safetensors.numpy import load_file, save_file
 
 from cli import demo, presets
 from eagle_jax.decoding import budget, plain
@@ -442,7 +444,32 @@ def broken_dirs(tmp_path_factory) -> dict[str, str]:
     no_config = root / "no_config"
     no_config.mkdir()
     shutil.copy(GOLDEN / "eagle3" / "model.safetensors", no_config)
-    return {"truncated": str(truncated), "other": str(other), "no_config": str(no_config), "root": str(root)}
+    dirs = {"truncated": str(truncated), "other": str(other), "no_config": str(no_config), "root": str(root)}
+    target_cfg = json.loads((GOLDEN / "target" / "config.json").read_text())
+    shapes = {
+        "null": None,
+        "list": [target_cfg],
+        "no_hidden": {k: v for k, v in target_cfg.items() if k != "hidden_size"},
+        "text_hidden": {**target_cfg, "hidden_size": "128"},
+    }
+    for model in ("target", "eagle3"):
+        for name, config in shapes.items():
+            folder = root / f"{model}_{name}"
+            shutil.copytree(GOLDEN / model, folder)
+            (folder / "config.json").write_text(json.dumps(config))
+            dirs[f"{model}_{name}"] = str(folder)
+    far = root / "d2t_far"  # a head whose vocabulary map points past the target vocabulary
+    shutil.copytree(GOLDEN / "eagle3", far)
+    tensors = load_file(str(far / "model.safetensors"))
+    tensors["d2t"] = tensors["d2t"] + 900
+    save_file(tensors, str(far / "model.safetensors"), metadata={"format": "pt"})
+    (far / "pytorch_model.bin").unlink(missing_ok=True)
+    dirs["d2t_far"] = str(far)
+    (root / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1"))
+    (root / "prompt.txt").write_text("hello")
+    (root / "mine.json").write_text('{"mine": true}\n')
+    (root / "folder.json").mkdir()
+    return dirs
 
 
 BAD_INPUT = {
@@ -475,12 +502,40 @@ BAD_INPUT = {
     "bad static tree": ["--target", TARGET, "--draft", EAGLE3, "--tree", "[[0],[0,0,1]]"],
     "negative temperature": ["--target", TARGET, "--draft", EAGLE3, "--temperature", "-1"],
     "compare without a draft": ["--target", TARGET, "--no-spec", "--compare"],
+    "non-UTF-8 prompt file": ["--target", TARGET, "--draft", EAGLE3, "--prompt-file", "{root}/latin1.txt"],
+    "tree wider than the draft vocabulary": ["--target", TARGET, "--draft", EAGLE3, "--tree-top-k", "300"],
+    "empty static tree": ["--target", TARGET, "--draft", EAGLE3, "--tree", "[]"],
+    "--max-len past the positions": ["--target", TARGET, "--draft", EAGLE3, "--max-len", "4096"],
+    "--mesh not dividing the heads": ["--target", TARGET, "--draft", EAGLE3, "--mesh", "tensor=8"],
+    "head whose d2t leaves the vocabulary": ["--target", TARGET, "--draft", "{d2t_far}"],
+    **{
+        f"{model} config.json {shape}": (
+            ["--target", f"{{target_{shape}}}", "--no-spec"]
+            if model == "target"
+            else ["--target", TARGET, "--draft", f"{{eagle3_{shape}}}"]
+        )
+        for model in ("target", "head")
+        for shape in ("null", "list", "no_hidden", "text_hidden")
+    },
+    "--json a folder": ["--target", TARGET, "--draft", EAGLE3, "--json", "{root}/folder.json"],
+    "--json a user's file": ["--target", TARGET, "--draft", EAGLE3, "--json", "{root}/mine.json"],
+    "--json the prompt file": [
+        "--target",
+        TARGET,
+        "--draft",
+        EAGLE3,
+        "--prompt-file",
+        "{root}/prompt.txt",
+        "--json",
+        "{root}/prompt.txt",
+    ],
 }
 
 
 @pytest.fixture(scope="module")
 def bad_runs(broken_dirs, env) -> dict[str, tuple[int, str, str]]:
-    """Every bad-input case, run concurrently."""
+    """Every bad-input case, run concurrently; and whether the files they were given stayed as they were."""
+    before = snapshot(Path(broken_dirs["root"]))
     procs = {}
     for name, args in BAD_INPUT.items():
         args = [a.format(**broken_dirs) for a in args]
@@ -489,13 +544,13 @@ def bad_runs(broken_dirs, env) -> dict[str, tuple[int, str, str]]:
         if "--draft" in args and not {"--no-spec", "--tree", "--total-tokens", "--depth", "--tree-top-k"} & set(args):
             args += UPSTREAM_TREE
         procs[name] = launch(args + ["--max-new-tokens", "4"], env)
-    return {name: finish(p) for name, p in procs.items()}
+    results = {name: finish(p) for name, p in procs.items()}
+    assert snapshot(Path(broken_dirs["root"])) == before, "a refused command changed a file"
+    return results
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_one_line(case, bad_runs):
     code, out, err = bad_runs[case]
-    lines = err.strip().splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert_refused(code, err)
     assert out == ""

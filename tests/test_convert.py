@@ -225,3 +225,70 @@ def test_convert_refuses_a_head_for_another_target(golden_dir, tmp_path):
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "does not fit the target" in out.stderr
     assert not (tmp_path / "s").exists()
+
+
+# ---------------------------------------------------------------- bad --out: one line, exit code 2, no file changed
+
+
+@pytest.fixture
+def workspace(stores, golden_dir, tmp_path) -> Path:
+    """A copy of the golden target and head, a store of them, a user's folder and a user's file."""
+    for name in ("target", "eagle3"):
+        shutil.copytree(golden_dir / name, tmp_path / "models" / name)
+    shutil.copytree(stores["eagle3"], tmp_path / "store")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me\n")
+    (tmp_path / "file").write_text("a file\n")
+    return tmp_path
+
+
+INPUT, STRANGER, NOT_EMPTY = "is or holds the input", "which this command did not write", "is not empty"
+CONVERT_BAD_OUT = {
+    "--overwrite the target": (
+        "torch_to_orbax",
+        ["--target", "{w}/models/target", "--out", "{w}/models/target"],
+        INPUT,
+    ),
+    "--overwrite the folder holding the inputs": (
+        "torch_to_orbax",
+        ["--target", "{w}/models/target", "--draft", "{w}/models/eagle3", "--out", "{w}/models"],
+        INPUT,
+    ),
+    "--overwrite the store read from": ("orbax_to_torch", ["--draft", "{w}/store", "--out", "{w}/store"], INPUT),
+    "--overwrite a user's folder": ("orbax_to_torch", ["--draft", "{w}/store", "--out", "{w}/mine"], STRANGER),
+    "--out a file": ("torch_to_orbax", ["--target", "{w}/models/target", "--out", "{w}/file"], "is a file"),
+    "--out without --overwrite": (
+        "orbax_to_torch",
+        ["--draft", "{w}/store", "--out", "{w}/mine", "--no-overwrite"],
+        NOT_EMPTY,
+    ),
+    "gguf --out a file": ("gguf_to_hf", ["--gguf", "{w}/file", "--out", "{w}/file"], "is a file"),
+    "gguf --out the folder holding the input": ("gguf_to_hf", ["--gguf", "{w}/file", "--out", "{w}"], INPUT),
+}
+
+
+@pytest.mark.parametrize("case", list(CONVERT_BAD_OUT))
+def test_bad_out_is_refused_and_nothing_changes(case, workspace, capsys):
+    import importlib
+
+    from badinput import assert_refused, snapshot
+
+    module, args, expected = CONVERT_BAD_OUT[case]
+    args = [a.format(w=workspace) for a in args]
+    if module != "gguf_to_hf":
+        args = [a for a in args if a != "--no-overwrite"] + ([] if "--no-overwrite" in args else ["--overwrite"])
+    before = snapshot(workspace)
+    code = importlib.import_module(f"convert.{module}").main(args)
+    assert_refused(code, capsys.readouterr().err, expected)
+    assert snapshot(workspace) == before
+
+
+def test_overwrite_replaces_its_own_output(stores, tmp_path, capsys):
+    from convert import orbax_to_torch
+
+    out = tmp_path / "head"
+    assert orbax_to_torch.main(["--draft", str(stores["eagle3"]), "--out", str(out)]) == 0
+    (out / "model.safetensors").write_bytes(b"stale")
+    assert orbax_to_torch.main(["--draft", str(stores["eagle3"]), "--out", str(out), "--overwrite"]) == 0
+    assert (out / "model.safetensors").read_bytes() != b"stale"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]  # no temporary or old copy left

@@ -236,6 +236,7 @@ def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_d
         ([*base, "--mesh", "data=two"], "--mesh: bad mesh entry 'data=two'"),
         ([*base, "--mesh", "data=3"], "does not divide the 8 devices"),
         ([*base, "--mesh", "data=8", "--batch-size", "4"], "batch"),
+        ([*base, "--mesh", "tensor=8"], "does not divide heads=4 of the target"),
         (["--target", target_dir, "--data", bad, "--out", tmp_path / "o"], f"{bad}: record 1: no 'conversations'"),
         (
             ["--target", target_dir, "--data", tmp_path / "missing.jsonl", "--out", tmp_path / "o"],
@@ -264,6 +265,50 @@ def test_resume_with_other_flags_is_refused(run_main, target_dir, chain_data, tm
         "--target", target_dir, "--data", chain_data[0], "--out", out, *TINY[:-2], "--warmup", 5, "--mesh", "fsdp=8"
     )
     assert code == 2 and "--warmup 3 (now 5)" in lines[-1] and "use a new --out" in lines[-1]
+
+
+@pytest.fixture
+def out_dirs(tmp_path, target_dir, chain_data) -> Path:
+    """Output folders a run must not take over, and runs it must not resume as asked."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me\n")
+    (tmp_path / "file").write_text("a file\n")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_bytes(chain_data[0].read_bytes())
+    for name, steps in (("run16", 16), ("bad_json", 16), ("bad_map", 16)):
+        (tmp_path / name).mkdir()
+        run = eagle3.parse_args(
+            ["--target", str(target_dir), "--data", str(chain_data[0]), "--out", str(tmp_path / name), *TINY]
+        )
+        (tmp_path / name / "run.json").write_text(json.dumps(dataclasses.asdict(dataclasses.replace(run, steps=steps))))
+    (tmp_path / "bad_json" / "run.json").write_text('{"steps": 16')
+    (tmp_path / "bad_map" / "vocab_map.npz").write_bytes(b"PK\x03\x04 cut off")
+    return tmp_path
+
+
+TRAIN_BAD_OUT = {
+    "a folder that is not a run": ("{o}/mine", [], "not a training run"),
+    "a file": ("{o}/file", [], "is a file"),
+    "the folder holding the data": ("{o}/data", ["--data", "{o}/data/train.jsonl"], "not a training run"),
+    "the data folder's parent as a run": ("{o}/run16", ["--data", "{o}/run16/run.json"], "holds the input"),
+    "resume with fewer --steps": ("{o}/run16", ["--steps", "8"], "--steps 8 is below the 16"),
+    "a damaged run.json": ("{o}/bad_json", [], "repair it"),
+    "a damaged vocab_map.npz": ("{o}/bad_map", ["--steps", "16"], "remove it to rebuild it"),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAIN_BAD_OUT))
+def test_bad_out_is_one_line_and_changes_nothing(case, run_main, out_dirs, target_dir, chain_data):
+    from badinput import snapshot
+
+    out, extra, expected = TRAIN_BAD_OUT[case]
+    extra = [a.format(o=out_dirs) for a in extra]
+    data_args = [] if "--data" in extra else ["--data", chain_data[0]]
+    before = snapshot(out_dirs)
+    code, lines = run_main("--target", target_dir, *data_args, "--out", out.format(o=out_dirs), *TINY, *extra)
+    errors = [line for line in lines if line.startswith("error:")]
+    assert code == 2 and errors == lines[-1:] and expected in errors[0], (case, lines)
+    assert snapshot(out_dirs) == before
 
 
 def test_cli_error_in_a_subprocess_has_no_traceback(tmp_path, target_dir):
@@ -326,7 +371,62 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_ones(
     assert stats.examples == 3
 
 
-def test_regenerate_continues_after_complete_lines(tmp_path):
+def _regenerated(ident: str) -> str:
+    return json.dumps(regeneration.to_sharegpt([{"role": "assistant", "content": "x"}], ident)) + "\n"
+
+
+def test_regenerate_continues_after_its_own_complete_lines(tmp_path):
+    """Only a cut-off last line that starts like the next output is removed; every complete line is kept."""
+    idents = [f"/data/c.jsonl: record {i}" for i in range(4)]
     out = tmp_path / "r.jsonl"
-    out.write_text('{"id": 1}\n{"id": 2}\n{"id": 3, "conv')
-    assert regeneration.count_lines(out) == 2 and out.read_text() == '{"id": 1}\n{"id": 2}\n'
+    kept = _regenerated(idents[0]) + _regenerated("elsewhere/c.jsonl: record 1")  # the same file, by another path
+    out.write_text(kept + _regenerated(idents[2])[:25])
+    assert regeneration.written_lines(out, idents) == 2 and out.read_text() == kept
+    assert regeneration.written_lines(tmp_path / "new.jsonl", idents) == 0
+
+
+@pytest.fixture
+def regen_dir(tmp_path, chain_data) -> Path:
+    """Inputs and outputs a rerun may meet: an earlier output with a damaged middle line, a user's file."""
+    data_file = tmp_path / "data.jsonl"
+    data_file.write_bytes(chain_data[1].read_bytes())
+    idents = [f"{data_file}: record {i}" for i in range(4)]
+    lines = [_regenerated(i) for i in idents[:3]]
+    (tmp_path / "damaged.jsonl").write_text(lines[0] + '{"id": "broken\n' + lines[2])
+    (tmp_path / "too_long.jsonl").write_text("".join(lines))
+    (tmp_path / "mine.jsonl").write_text('{"text": "my own data"}\n')
+    (tmp_path / "mine_no_newline.txt").write_text("my notes")
+    (tmp_path / "latin1.jsonl").write_bytes(
+        '{"conversations": [{"from": "human", "value": "caf\xe9"}]}\n'.encode("latin-1")
+    )
+    (tmp_path / "folder.jsonl").mkdir()
+    return tmp_path
+
+
+REGENERATE_BAD_INPUT = {
+    "--out is --data": (["--out", "{d}/data.jsonl"], "is also an input"),
+    "--out a user's JSONL": (["--out", "{d}/mine.jsonl"], "line 1 is not this command's output"),
+    "--out a user's file without a newline": (["--out", "{d}/mine_no_newline.txt"], "neither complete nor the start"),
+    "--out with a damaged middle line": (["--out", "{d}/damaged.jsonl"], "line 2 is not this command's output"),
+    "--out longer than --limit selects": (["--out", "{d}/too_long.jsonl", "--limit", "2"], "more than the 2"),
+    "--out a folder": (["--out", "{d}/folder.jsonl"], "is a folder"),
+    "--out in a missing folder": (["--out", "{d}/missing/r.jsonl"], "does not exist"),
+    "--limit 0": (["--out", "{d}/r.jsonl", "--limit", "0"], "--limit must be >= 1"),
+    "non-UTF-8 data": (["--out", "{d}/r.jsonl", "--data", "{d}/latin1.jsonl"], "not UTF-8"),
+}
+
+
+@pytest.mark.parametrize("case", list(REGENERATE_BAD_INPUT))
+def test_regenerate_bad_input_is_one_line_and_changes_nothing(case, regen_dir, target_dir, capsys):
+    from badinput import assert_refused, snapshot
+
+    from train import regenerate as regenerate_cli
+
+    args, expected = REGENERATE_BAD_INPUT[case]
+    args = [a.format(d=regen_dir) for a in args]
+    if "--data" not in args:
+        args += ["--data", str(regen_dir / "data.jsonl")]
+    before = snapshot(regen_dir)
+    code = regenerate_cli.main(["--target", str(target_dir), *args, "--max-new-tokens", "4"])
+    assert_refused(code, capsys.readouterr().err, expected)
+    assert snapshot(regen_dir) == before

@@ -84,3 +84,40 @@ def test_kill_9_and_resume_gives_the_same_losses(golden_dir, golden_target, tmp_
     ref_export = (tmp_path / "ref" / "export" / "model.safetensors").read_bytes()
     assert (out / "export" / "model.safetensors").read_bytes() == ref_export
     assert json.loads((out / "run.json").read_text())["steps"] == 16
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(golden_dir, golden_target, tmp_path):
+    """Truncate a file of the newest checkpoint: the rerun says which one it skips, continues from the one
+    before and ends with the same losses and head; with every checkpoint damaged it refuses in one line."""
+    target = templated_target_dir(golden_dir, tmp_path / "target")
+    train = write_jsonl(tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 64, 40, seed=0))
+    env = cli_env(tmp_path)
+    out = tmp_path / "run"
+    args = ["--target", target, "--data", train, "--out", out, "--steps", 4, *TINY, "--save-every", 2, "--keep", 3]
+    first = run_module("train.eagle3", [*args, "--log-every", 1], env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert checkpoint_steps(out) == [2, 4]
+    rows, head = read_jsonl(out / "metrics.jsonl"), (out / "export" / "model.safetensors").read_bytes()
+
+    def damage(step: int) -> Path:
+        biggest = max((p for p in (out / "ckpt" / str(step)).rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        biggest.write_bytes(biggest.read_bytes()[: biggest.stat().st_size // 2])
+        return biggest
+
+    damage(4)
+    resumed = run_module("train.eagle3", [*args, "--log-every", 1], env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"checkpoint {out / 'ckpt' / '4'} is damaged" in resumed.stderr
+    assert f"resuming {out} at step 2" in resumed.stderr
+    assert read_jsonl(out / "metrics.jsonl") == [
+        {**r, "tokens_per_s": mine["tokens_per_s"]} for r, mine in zip(rows, read_jsonl(out / "metrics.jsonl"))
+    ]
+    assert (out / "export" / "model.safetensors").read_bytes() == head
+    assert checkpoint_steps(out) == [2, 4]
+
+    for step in (2, 4):
+        damage(step)
+    refused = run_module("train.eagle3", args, env)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    last = refused.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {out / 'ckpt'}: no checkpoint can be restored") and "use a new --out" in last

@@ -3,9 +3,11 @@
     python -m train.eagle3 --target DIR --data FILE [FILE...] --out DIR [--steps N] [--batch-size B]
         [--max-length L] [--ttt-steps 7] [--lr X] [--mesh data=D,fsdp=F,tensor=T] [--seed S] ...
 
-Re-running with the same --out resumes from the newest complete checkpoint and continues with the
-same batches and losses as an uninterrupted run (the flags that define the run must repeat; --steps,
---mesh, --save-every, --keep, --log-every and the tau flags may change). OUT holds run.json (the
+Re-running with the same --out resumes from the newest intact checkpoint (a damaged newer one is
+reported and skipped) and continues with the same batches and losses as an uninterrupted run (the flags
+that define the run must repeat; --mesh, --save-every, --keep, --log-every and the tau flags may change,
+--steps may be raised but not lowered). An --out that exists, is not empty and holds no run.json is
+refused: a run never writes into a folder it did not make. OUT holds run.json (the
 flags), vocab_map.npz, ckpt/, metrics.jsonl, tau.jsonl (the real tau on --tau-prompts), curves.png,
 head/ (the final head as an orbax store) and export/ (in the official format); see
 `eagle_jax.training.trainer`. `--plan` prints the compiled memory plan of a training step instead
@@ -36,7 +38,7 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
         help="target: Hugging Face directory (weights, config, tokenizer), eagle-jax store or GGUF file",
     )
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files (.json, .jsonl, .parquet)")
-    p.add_argument("--out", required=True, help="run directory; reusing it resumes")
+    p.add_argument("--out", required=True, help="run directory (new or empty); reusing a run's resumes it")
     p.add_argument("--steps", type=int, default=1000, help="optimiser updates")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
     p.add_argument("--max-length", type=int, default=2048, help="longer sequences are dropped")

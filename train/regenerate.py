@@ -7,7 +7,8 @@ Each assistant turn is replaced by the target's own answer to the conversation s
 kept, earlier assistant turns already regenerated), since EAGLE-3 heads gain from learning the
 target's own distribution. Conversations are processed in chunks, turn by turn, with the prompts
 of a turn batched; the output is ShareGPT-format JSON Lines, appended chunk by chunk, so a rerun
-with the same --out continues after the conversations already written.
+with the same --out continues after the conversations already written; an --out that is not this
+command's output for the same --data (or is one of them) is refused before the target loads.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = command.ArgumentParser(prog="python -m train.regenerate", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", required=True, help="target: Hugging Face directory or eagle-jax store")
     p.add_argument("--data", required=True, nargs="+", help="ShareGPT / UltraChat files")
-    p.add_argument("--out", required=True, help="output JSONL (ShareGPT format); an existing file is continued")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="output JSONL (ShareGPT format); an earlier output for the same --data is continued, other files refused",
+    )
     p.add_argument("--max-new-tokens", type=int, default=512, help="per assistant turn")
     p.add_argument(
         "--max-length",
@@ -37,7 +42,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="a conversation stops before a turn whose prompt + answer would exceed this",
     )
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation call")
-    p.add_argument("--limit", type=int, default=None, help="only the first N usable conversations")
+    p.add_argument("--limit", type=int, default=None, help="only the first N >= 1 usable conversations (default: all)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -48,8 +53,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     for name in ("max_new_tokens", "max_length", "batch_size"):
         if getattr(a, name) < 1:
             raise EagleError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if a.limit is not None and a.limit < 0:
-        raise EagleError(f"--limit must be >= 0, got {a.limit}")
+    if a.limit is not None and a.limit < 1:
+        raise EagleError(f"--limit must be >= 1, got {a.limit}; leave it out to regenerate every conversation")
     return a
 
 

@@ -86,6 +86,8 @@ class StaticTree(_Envelope):
 
     def __post_init__(self):
         paths = tuple(sorted({tuple(p) for p in self.paths}, key=lambda p: (len(p), p)))
+        if not paths:
+            raise EagleError("a static tree needs at least one path, e.g. [[0],[1],[0,0]]")
         for p in paths:
             if not p or min(p) < 0 or (len(p) > 1 and p[:-1] not in paths):
                 raise EagleError(f"static tree path {list(p)} is invalid: every prefix of a path must be a path too")
@@ -125,6 +127,15 @@ class NoDraft(_Envelope):
 
 
 TreeConfig = DynamicTree | StaticTree | NoDraft
+
+
+def check_fits(tree: TreeConfig, draft_vocab_size: int) -> None:
+    """Refuse a tree that asks a level for more children (top_k) than the head's draft vocabulary holds."""
+    if tree.top_k > draft_vocab_size:
+        raise EagleError(
+            f"tree top_k={tree.top_k} exceeds the head's draft vocabulary of {draft_vocab_size} tokens; "
+            f"use --tree-top-k {draft_vocab_size} or less"
+        )
 
 
 @jax.tree_util.register_dataclass

@@ -31,6 +31,9 @@ def convert(
 ) -> Path:
     """Read, check and store; the head is checked against the target before the target is read."""
     target_dir = Path(target_dir)
+    files.check_output_directory(
+        out, [p for p in (target_dir, draft_dir) if p is not None], overwrite, store.STORE_NAMES
+    )
     tcfg = hf.load_target_config(target_dir)
     draft_part = None
     if draft_dir is not None:

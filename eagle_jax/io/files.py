@@ -10,7 +10,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,44 +64,108 @@ def save_npz_atomic(path: str | Path, **arrays: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def check_output_file(path: str | Path, flag: str, inputs: tuple[str | Path, ...] = ()) -> Path:
-    """Refuse, before any work, an output file that cannot be written: a folder, a missing or read-only
-    parent folder, or one of the command's inputs."""
-    path = Path(path)
-    if path.is_dir():
-        raise EagleError(f"{flag} {path}: is a folder; name a file")
+Recogniser = Callable[[Path], bool]  # is this existing path this command's own earlier output?
+
+
+def json_with(*keys: str) -> Recogniser:
+    """Recognise a JSON object holding all of `keys` (a command's report)."""
+
+    def ours(path: Path) -> bool:
+        try:
+            value = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return False
+        return isinstance(value, dict) and all(k in value for k in keys)
+
+    return ours
+
+
+def holds_bytes(marker: bytes, within: int = 4096) -> Recogniser:
+    """Recognise a file whose first `within` bytes hold `marker` (a report's fixed header, a PNG's title)."""
+
+    def ours(path: Path) -> bool:
+        with path.open("rb") as f:
+            return marker in f.read(within)
+
+    return ours
+
+
+def _is_input(path: Path, given: str | Path) -> bool:
+    given = Path(given)
+    return given.exists() and path.exists() and path.samefile(given)
+
+
+def _writable_parent(path: Path, flag: str) -> None:
+    """Refuse a file whose folder is missing or read-only, or a read-only file."""
     parent = path.absolute().parent
     if not parent.is_dir():
         raise EagleError(f"{flag} {path}: folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise EagleError(f"{flag} {path}: not writable; choose another path")
-    for given in inputs:
-        if Path(given).exists() and path.exists() and path.samefile(given):
-            raise EagleError(f"{flag} {path}: is also an input; write the output elsewhere")
+
+
+def check_output_file(
+    path: str | Path, flag: str, inputs: Iterable[str | Path] = (), ours: Recogniser | None = None
+) -> Path:
+    """Refuse, before any work, an output file that cannot be written (a folder, a missing or read-only
+    parent folder), that is one of the command's inputs, or that exists and is not recognisably this
+    command's earlier output (`ours`; without one, any existing file is refused)."""
+    path = Path(path)
+    if path.is_dir():
+        raise EagleError(f"{flag} {path}: is a folder; name a file")
+    _writable_parent(path, flag)
+    if any(_is_input(path, given) for given in inputs):
+        raise EagleError(f"{flag} {path}: is also an input; write the output elsewhere")
+    if path.exists() and (ours is None or not ours(path)):
+        raise EagleError(f"{flag} {path}: exists and was not written by this command; move it or choose another path")
     return path
 
 
-def check_new_directory(out: str | Path) -> None:
-    """Refuse an output directory that exists and is not empty (nothing is written yet)."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise EagleError(f"{out.absolute()}: already exists and is not empty")
+def _holds(out: Path, given: str | Path) -> bool:
+    """Is `given` the folder `out` or inside it?"""
+    return Path(given).absolute().resolve().is_relative_to(out)
+
+
+def check_output_directory(
+    out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False, owned: Iterable[str] | None = ()
+) -> Path:
+    """Refuse, before any work, an output folder that is a file, is an input or holds one, cannot
+    be created, or exists and is not empty; with `overwrite`, a folder is accepted only when it holds nothing
+    but the names this command writes (`owned`; None: the caller recognised the folder as its own)."""
+    out = Path(out).absolute()
+    if out.exists() and not out.is_dir():
+        raise EagleError(f"{out}: is a file, not a folder")
+    resolved = out.resolve()
+    for given in inputs:
+        if _holds(resolved, given):
+            raise EagleError(f"{out}: is or holds the input {given}; write the output elsewhere")
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is None or not existing.is_dir() or not os.access(existing, os.W_OK):
+        raise EagleError(f"{out}: cannot be created ({existing} is not a writable folder)")
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise EagleError(f"{out}: already exists and is not empty")
+        strangers = [] if owned is None else sorted(p.name for p in out.iterdir() if p.name not in set(owned))
+        if strangers:
+            shown = ", ".join(strangers[:3]) + (" ..." if len(strangers) > 3 else "")
+            raise EagleError(
+                f"{out}: holds {shown}, which this command did not write; --overwrite replaces only its own output"
+            )
+    return out
 
 
 @contextlib.contextmanager
-def new_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
+def new_directory(out: str | Path, overwrite: bool = False, owned: Iterable[str] = ()) -> Iterator[Path]:
     """Build a directory in a temporary sibling and move it into place when the block succeeds.
 
-    A non-empty `out` is refused unless `overwrite`, in which case it is replaced only once the new
-    contents are complete; on failure the temporary directory is removed and `out` is untouched.
+    `out` is checked by `check_output_directory` (with `overwrite` it may hold only the `owned` names); an
+    existing one is replaced only once the new contents are complete; on failure the temporary directory
+    is removed and `out` is untouched.
     """
-    out = Path(out).absolute()
-    if not overwrite:
-        check_new_directory(out)
-    elif out.exists() and not out.is_dir():
-        raise EagleError(f"{out}: exists and is not a directory")
-    tmp = _temporary(out)
-    shutil.rmtree(tmp, ignore_errors=True)
+    out = check_output_directory(out, overwrite=overwrite, owned=owned)
+    tmp, old = _temporary(out), out.with_name(f".{out.name}.old")
+    for stale in (tmp, old):  # left by a crash of an earlier run
+        shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
         yield tmp
@@ -109,5 +173,6 @@ def new_directory(out: str | Path, overwrite: bool = False) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if out.exists():
-        shutil.rmtree(out)
+        os.replace(out, old)
     os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)

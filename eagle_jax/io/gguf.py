@@ -391,6 +391,6 @@ def write_hf_folder(model: GGUFModel, tokenizer: PreTrainedTokenizerFast, out: s
 
 def gguf_to_hf(gguf_path: str | Path, out: str | Path, progress: bool = True) -> Path:
     """Convert a llama GGUF file to an HF model folder `out` (refused if it exists and is not empty)."""
-    files.check_new_directory(out)
+    files.check_output_directory(out, (gguf_path,))
     model = read_gguf(gguf_path, progress)
     return write_hf_folder(model, tokenizer_from_gguf(gguf_path), out)

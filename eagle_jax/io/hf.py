@@ -264,7 +264,8 @@ def save_target(
     from safetensors.numpy import save_file
 
     check_against_specs(params, target_model.param_specs(cfg), "target")
-    with files.new_directory(out, overwrite) as tmp:
+    owned = ("config.json", "generation_config.json", "model.safetensors", *(extra_files or {}))
+    with files.new_directory(out, overwrite, owned) as tmp:
         save_file(target_tensors(params, cfg), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         texts = {"config.json": json.dumps(config, indent=2) + "\n", **(extra_files or {})}
         if generation_config is not None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
 from jax.sharding import Mesh
 
 from eagle_jax.errors import EagleError
@@ -73,12 +75,29 @@ def load_draft(
     if store.is_store(path):
         if mesh is not None:
             sharding.check_mesh(mesh, target, store.draft_config(path))
-        return store.load_draft_store(path, target, kind, dtype, mesh)
+        cfg, params = store.load_draft_store(path, target, kind, dtype, mesh)
+        check_vocab_map(params, target, path)
+        return cfg, params
     cfg, params = official.load_head(path, target, kind, dtype)
+    check_vocab_map(params, target, path)
     if mesh is None:
         return cfg, params
     sharding.check_mesh(mesh, target, cfg)
     return cfg, sharding.place(params, sharding.draft_shardings(cfg, mesh))
+
+
+def check_vocab_map(params: PyTree, target: TargetConfig, where: str | Path) -> None:
+    """Refuse a head whose d2t sends a draft token outside the target vocabulary (draft d -> d + d2t[d])."""
+    if "d2t" not in params:
+        return
+    ids = np.arange(params["d2t"].shape[0]) + np.asarray(jax.device_get(params["d2t"]), dtype=np.int64)
+    bad = np.flatnonzero((ids < 0) | (ids >= target.vocab_size))
+    if bad.size:
+        d, last = int(bad[0]), target.vocab_size - 1
+        raise EagleError(
+            f"{where}: d2t maps draft token {d} to {int(ids[d])}, outside the target vocabulary 0..{last} "
+            f"({bad.size} such tokens); use the head trained for this target"
+        )
 
 
 def load_tokenizer(path: str | Path, chat_template: str | None = None):

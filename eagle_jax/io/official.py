@@ -22,6 +22,7 @@ from eagle_jax.models.config import DraftConfig, TargetConfig, check_draft_fits,
 from eagle_jax.models.params import describe_mismatch, flatten, unflatten
 
 IGNORED_KEYS = ("embed_tokens.weight",)  # some heads carry a copy of the target's embedding; ours comes from the target
+OFFICIAL_FILES = ("config.json", "model.safetensors", "pytorch_model.bin")  # what an exported head holds
 VOCAB_MAP_DTYPES = {"d2t": np.int32, "t2d": np.bool_}  # in our trees; stored as int64 / bool
 
 
@@ -197,7 +198,7 @@ def save_head(out: str | Path, config: dict, params: dict, dcfg: DraftConfig, ov
     from safetensors.numpy import save_file
 
     tensors = tensors_from_params(params, dcfg)
-    with files.new_directory(out, overwrite) as tmp:
+    with files.new_directory(out, overwrite, OFFICIAL_FILES) as tmp:
         (tmp / "config.json").write_text(json.dumps(_with_dtype_field(config, tensors), indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         try:
@@ -211,5 +212,6 @@ def save_head(out: str | Path, config: dict, params: dict, dcfg: DraftConfig, ov
 
 def export_store_head(store_dir: str | Path, out: str | Path, dtype=None, overwrite: bool = False) -> list[str]:
     """Write the draft head of a store (e.g. a training run's) as an official head folder; returns the file names."""
+    files.check_output_directory(out, (store_dir,), overwrite, OFFICIAL_FILES)
     dcfg, params = store.load_draft_store(store_dir, dtype=dtype)
     return save_head(out, store.read_manifest(store_dir).draft_config, params, dcfg, overwrite)

@@ -47,6 +47,7 @@ from eagle_jax.parallel import sharding
 
 FORMAT = "eagle-jax-store/2"  # /1 stacked the target's layers on one axis
 MANIFEST = "eagle_jax.json"
+STORE_NAMES = (MANIFEST, "target", "draft", "tokenizer")  # what a store folder holds
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json", "config.json",
@@ -191,7 +192,7 @@ def save(
         if tokenizer_from is not None and (Path(tokenizer_from) / f).is_file()
     ]
     with (
-        files.new_directory(out, overwrite) as tmp,
+        files.new_directory(out, overwrite, STORE_NAMES) as tmp,
         _checkpointer() as ckpt,
         tqdm(
             total=sum(_nbytes(p) for p in parts.values()),

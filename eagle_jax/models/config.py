@@ -80,6 +80,16 @@ def _get(cfg: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _count(cfg: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive whole-number field of config.json (`default` when absent or null); else a one-line error."""
+    value = _get(cfg, key, default)
+    if value is None:
+        raise EagleError(f"config.json: {key} is missing; it must be a positive whole number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise EagleError(f"config.json: {key}={value!r} is not a positive whole number")
+    return int(value)
+
+
 def rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     """Parse the rope settings of both HF layouts (`rope_theta`+`rope_scaling` and v5 `rope_parameters`)."""
     params = dict(cfg.get("rope_parameters") or {})
@@ -152,21 +162,21 @@ def target_config_from_hf(cfg: dict[str, Any], generation_config: dict[str, Any]
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
     else:
         qkv_bias = o_bias = bool(cfg.get("attention_bias", False))
-    num_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    head_dim = int(_get(cfg, "head_dim", hidden // num_heads))
+    num_heads = _count(cfg, "num_attention_heads")
+    hidden = _count(cfg, "hidden_size")
+    head_dim = _count(cfg, "head_dim", hidden // num_heads)
     eos = _as_ids(cfg.get("eos_token_id"))
     if generation_config:
         eos = tuple(dict.fromkeys(eos + _as_ids(generation_config.get("eos_token_id"))))
     num_experts = int(_get(cfg, "num_local_experts", 0)) if family == "mixtral" else 0
     return TargetConfig(
         family=family,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=_count(cfg, "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        intermediate_size=_count(cfg, "intermediate_size"),
+        num_layers=_count(cfg, "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(_get(cfg, "num_key_value_heads", num_heads)),
+        num_kv_heads=_count(cfg, "num_key_value_heads", num_heads),
         head_dim=head_dim,
         rms_norm_eps=float(_get(cfg, "rms_norm_eps", 1e-6)),
         rope=rope_from_hf(cfg),
@@ -238,22 +248,22 @@ def draft_config_from_hf(cfg: dict[str, Any], kind: str) -> DraftConfig:
     """Build a `DraftConfig` from an official head's config.json dict."""
     if kind not in DRAFT_KINDS:
         raise EagleError(f"unknown draft kind {kind!r} (expected one of {', '.join(DRAFT_KINDS)})")
-    hidden = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    vocab = int(cfg["vocab_size"])
+    hidden = _count(cfg, "hidden_size")
+    heads = _count(cfg, "num_attention_heads")
+    vocab = _count(cfg, "vocab_size")
     return DraftConfig(
         kind=kind,
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_layers=1 if kind == "eagle3" else int(cfg.get("num_hidden_layers") or 1),
+        intermediate_size=_count(cfg, "intermediate_size"),
+        num_layers=1 if kind == "eagle3" else _count(cfg, "num_hidden_layers", 1),
         num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        num_kv_heads=_count(cfg, "num_key_value_heads", heads),
+        head_dim=_count(cfg, "head_dim", hidden // heads),
         rms_norm_eps=float(cfg.get("rms_norm_eps") or 1e-6),
         rope=rope_from_hf(cfg),
         vocab_size=vocab,
-        draft_vocab_size=int(cfg.get("draft_vocab_size") or vocab) if kind == "eagle3" else vocab,
-        target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+        draft_vocab_size=_count(cfg, "draft_vocab_size", vocab) if kind == "eagle3" else vocab,
+        target_hidden_size=_count(cfg, "target_hidden_size", hidden),
         fc_bias=kind == "eagle1" and bool(cfg.get("bias", True)),
         aux_layers=_aux_layers(cfg) if kind == "eagle3" else None,
     )

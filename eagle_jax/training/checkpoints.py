@@ -3,16 +3,21 @@
 A checkpoint holds the state pytree (trainable parameters, optimiser state) and a JSON `meta`
 item (at least the completed step). Orbax writes each step into a temporary directory and renames it
 when complete, so a process killed at any moment leaves either a whole checkpoint or one that
-`latest_step` ignores (and the next manager removes).
+`latest_step` ignores (and the next manager removes); a checkpoint damaged later (a truncated file) is
+skipped on restore in favour of the newest intact one that `keep` left.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from eagle_jax.errors import EagleError
+from eagle_jax.io.files import first_line
 
 PyTree = Any
 
@@ -30,15 +35,34 @@ def save(mgr: ocp.CheckpointManager, step: int, state: PyTree, meta: dict) -> No
     )
 
 
-def restore_latest(mgr: ocp.CheckpointManager, abstract_state: PyTree) -> tuple[PyTree, dict] | None:
-    """(state placed as `abstract_state`'s shardings say, meta) of the newest complete checkpoint, or None."""
-    step = mgr.latest_step()
-    if step is None:
-        return None
-    restored = mgr.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore())
-    )
-    return restored.state, restored.meta
+def restore_latest(
+    mgr: ocp.CheckpointManager, abstract_state: PyTree, log: Callable[[str], None]
+) -> tuple[PyTree, dict] | None:
+    """(state placed as `abstract_state`'s shardings say, meta) of the newest checkpoint that restores, or None
+    when there is none. Newer damaged ones (a truncated file after a crash or a full disk) are logged and
+    deleted, so the run saves those steps afresh; when none restores, a one-line `EagleError`."""
+    directory = Path(mgr.directory)
+    damaged: list[tuple[int, str]] = []
+    for step in sorted(mgr.all_steps(), reverse=True):
+        try:
+            restored = mgr.restore(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+            )
+        except Exception as exc:  # orbax, tensorstore and JSON raise many kinds for a damaged checkpoint
+            damaged.append((step, first_line(exc)))
+            log(f"warning: checkpoint {directory / str(step)} is damaged ({first_line(exc)[:200]}); skipping it")
+            continue
+        for bad, _ in damaged:
+            mgr.delete(bad)
+        return restored.state, restored.meta
+    if damaged:
+        step, why = damaged[-1]
+        raise EagleError(
+            f"{directory}: no checkpoint can be restored (the oldest, step {step}: {why[:200]}); remove {directory} "
+            "to restart the run from step 0, or use a new --out"
+        )
+    return None
 
 
 def abstract_like(tree: PyTree, shardings: PyTree) -> PyTree:

@@ -4,13 +4,15 @@ Each assistant turn is replaced by the target's own answer to the conversation s
 kept, earlier assistant turns already regenerated), since EAGLE-3 heads gain from learning the
 target's own distribution. Conversations are processed in chunks, turn by turn, with the prompts of a
 turn batched; the output is ShareGPT-format JSON Lines, appended chunk by chunk, so a rerun with the
-same output continues after the conversations already written.
+same output continues after the conversations already written (a line cut off by a crash is dropped;
+a file that is not this command's output for the same conversations is refused, never rewritten).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -20,7 +22,8 @@ from tqdm import tqdm
 from eagle_jax.decoding import plain, programs
 from eagle_jax.decoding.plain import GenerationResult
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.io import loading
+from eagle_jax.errors import EagleError
+from eagle_jax.io import files, loading
 from eagle_jax.models.config import TargetConfig
 from eagle_jax.training import data
 
@@ -35,7 +38,7 @@ class RegenerateConfig:
     max_new_tokens: int = 512  # per assistant turn
     max_length: int = 2048  # a conversation stops before a turn whose prompt + answer would exceed this
     batch_size: int = 16  # prompts per generation call
-    limit: int | None = None  # only the first N usable conversations
+    limit: int | None = None  # only the first N >= 1 usable conversations (None: all)
     sampling: SamplingConfig = SamplingConfig()
     seed: int = 0
     chat_template: str | None = None  # jinja file, for a tokenizer without a chat template
@@ -108,28 +111,69 @@ def to_sharegpt(turns: list[dict[str, str]], ident: str) -> dict:
     return {"id": ident, "conversations": [{"from": SHAREGPT_ROLES[m["role"]], "value": m["content"]} for m in turns]}
 
 
-def count_lines(path: Path) -> int:
-    """Complete JSON lines already written (a cut-off last line is removed)."""
-    if not path.is_file():
+def _record_key(ident: object) -> tuple[str, str] | None:
+    """(file name, record index) of a conversation's id `FILE: record N`; None for anything else."""
+    if not isinstance(ident, str) or ": record " not in ident:
+        return None
+    file, index = ident.rsplit(": record ", 1)
+    return Path(file).name, index
+
+
+def _is_output_for(line: bytes, ident: str) -> bool:
+    """Is `line` what this command writes for the conversation `ident` (same file name and record)?"""
+    try:
+        row = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (
+        isinstance(row, dict)
+        and set(row) == {"id", "conversations"}
+        and isinstance(row["conversations"], list)
+        and _record_key(row["id"]) == _record_key(ident)
+    )
+
+
+def written_lines(path: Path, idents: list[str]) -> int:
+    """How many conversations of `idents` an earlier run already wrote to `path` (0 when it is absent).
+
+    Every complete line must be this command's output for the conversation at its position; a cut-off
+    last line (a crash mid-write) that begins like one of them is removed. Anything else is refused and
+    the file is left as it is.
+    """
+    if not path.exists():
         return 0
-    lines = path.read_text().splitlines(keepends=True)
-    good = []
-    for line in lines:
-        try:
-            json.loads(line)
-        except json.JSONDecodeError:
-            break
-        if not line.endswith("\n"):
-            break
-        good.append(line)
-    if len(good) != len(lines):
-        path.write_text("".join(good))
-    return len(good)
+    raw = path.read_bytes()
+    *lines, tail = raw.split(b"\n")
+    for n, line in enumerate(lines):
+        if n >= len(idents):
+            raise EagleError(
+                f"--out {path}: holds {len(lines)} conversations, more than the {len(idents)} that --data and "
+                "--limit select; use the same --data and --limit, or another --out"
+            )
+        if not _is_output_for(line, idents[n]):
+            raise EagleError(
+                f"--out {path}: line {n + 1} is not this command's output for {idents[n]}; the file is left as "
+                "it is: choose another --out (or repair or remove that line)"
+            )
+    if tail:
+        if len(lines) == len(idents) or not tail.startswith(b'{"id": "'):
+            raise EagleError(
+                f"--out {path}: its last line is neither complete nor the start of this command's next line; "
+                "choose another --out"
+            )
+        os.truncate(path, len(raw) - len(tail))  # the line a crash cut off
+    return len(lines)
 
 
 def regenerate(rc: RegenerateConfig, mesh: Mesh | None = None) -> dict[str, int]:
-    """Regenerate (or continue regenerating) `rc.data` into `rc.out`; returns counts of what was written."""
-    out = Path(rc.out)
+    """Regenerate (or continue regenerating) `rc.data` into `rc.out`; returns counts of what was written.
+
+    Before the target loads, `rc.out` is checked: writable, not an input, and absent or an earlier
+    output of this command for the same conversations (which is continued)."""
+    if rc.limit is not None and rc.limit < 1:
+        raise EagleError(f"--limit must be >= 1, got {rc.limit}; leave it out to regenerate every conversation")
+    inputs = [*rc.data, rc.target, *([rc.chat_template] if rc.chat_template else [])]
+    out = files.check_output_file(rc.out, "--out", inputs, ours=lambda _: True)  # recognised line by line below
     cfg = loading.target_config(rc.target)
     tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
     convs: list[tuple[str, list[dict[str, str]]]] = []
@@ -138,9 +182,8 @@ def regenerate(rc: RegenerateConfig, mesh: Mesh | None = None) -> dict[str, int]
             convs.append((where, turns))
             if rc.limit is not None and len(convs) == rc.limit:
                 break
+    skip = written_lines(out, [where for where, _ in convs])
     params = loading.load_target(rc.target, mesh=mesh, progress=True)[1]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    skip = count_lines(out)
     if skip:
         print(f"{out}: continuing after {skip} conversations already written", file=sys.stderr)
     chunk = rc.batch_size * 8

@@ -14,6 +14,7 @@ import dataclasses
 import json
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import jax
@@ -108,16 +109,37 @@ class RunMismatch(EagleError):
         )
 
 
+def check_run_folder(rc: RunConfig) -> Path:
+    """Refuse, before any work, an output folder that is a file, is or holds an input, or holds files but no
+    run.json (a folder that is not a run: nothing in it is replaced); returns OUT."""
+    inputs = [p for p in (rc.target, *rc.data, rc.init_head, rc.tau_prompts, rc.chat_template) if p]
+    out = Path(rc.out)
+    if out.is_dir() and any(out.iterdir()) and not (out / "run.json").is_file():
+        raise EagleError(
+            f"{out}: holds files but no run.json, so it is not a training run; choose a new or empty --out"
+        )
+    return files.check_output_directory(out, inputs, overwrite=True, owned=None)
+
+
 def check_resume(rc: RunConfig, out: Path) -> None:
-    """Refuse to resume a run in OUT that was started with different defining settings (`RunMismatch`)."""
+    """Refuse to resume a run in OUT that was started with different defining settings (`RunMismatch`) or
+    more steps (run.json is left as it is)."""
     path = out / "run.json"
     if not path.is_file():
         return
-    saved = files.read_json(path)
+    try:
+        saved = files.read_json(path)
+    except EagleError as exc:
+        raise EagleError(f"{exc}; repair it (it holds the run's flags) or use a new --out") from None
     mine = json.loads(json.dumps(dataclasses.asdict(rc)))
     diffs = [(k, saved.get(k), mine[k]) for k in RESUME_KEYS if saved.get(k) != mine[k]]
     if diffs:
         raise RunMismatch(out, diffs)
+    if isinstance(saved.get("steps"), int) and rc.steps < saved["steps"]:
+        raise EagleError(
+            f"--steps {rc.steps} is below the {saved['steps']} of the run in {out}; a resumed run keeps or raises "
+            "--steps (run.json is left as it is)"
+        )
 
 
 def vocab_map(
@@ -126,8 +148,13 @@ def vocab_map(
     """d2t/t2d of the run: from OUT (resume), the initial head, or built once from the data; {} when Vd == V."""
     path = out / "vocab_map.npz"
     if path.is_file():
-        saved = np.load(path)
-        return {k: saved[k] for k in objective.VOCAB_MAP_KEYS if k in saved}
+        try:
+            with np.load(path) as saved:
+                return {k: saved[k] for k in objective.VOCAB_MAP_KEYS if k in saved}
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            raise EagleError(
+                f"{path}: cannot be read ({files.first_line(exc)}); remove it to rebuild it from the data"
+            ) from None
     counts, first_seen = data.token_counts(examples, dcfg.vocab_size)
     if init_map is not None:
         maps = init_map
@@ -234,7 +261,7 @@ def log(msg: str) -> None:
 
 def train(rc: RunConfig) -> dict:
     """Run (or resume) training; returns the last logged metrics record."""
-    out = Path(rc.out)
+    out = check_run_folder(rc)
     mesh = sharding.make_mesh(rc.mesh or f"fsdp={jax.device_count()}")
     sharding.check_dims(mesh, {"batch": rc.batch_size}, "batch size")
     check_resume(rc, out)
@@ -252,11 +279,14 @@ def train(rc: RunConfig) -> dict:
     else:
         dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
         trainable_init = objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0]
+    sharding.check_mesh(mesh, tcfg, dcfg)  # an axis that does not divide a model dimension: an error, not replication
     examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
     log(f"data: {stats.summary()}")
     prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
     out.mkdir(parents=True, exist_ok=True)
-    files.write_json_atomic(out / "run.json", dataclasses.asdict(rc))
+    settings = json.loads(json.dumps(dataclasses.asdict(rc)))
+    if not (out / "run.json").is_file() or files.read_json(out / "run.json") != settings:  # e.g. a raised --steps
+        files.write_json_atomic(out / "run.json", settings)
     maps = vocab_map(rc, out, examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
@@ -271,7 +301,7 @@ def train(rc: RunConfig) -> dict:
     mgr = checkpoints.manager(out / "ckpt", rc.keep)
     start = 0
     restored = checkpoints.restore_latest(
-        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state})
+        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}), log
     )
     if restored is not None:
         state, meta = restored
