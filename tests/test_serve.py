@@ -233,3 +233,33 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
             pass
     assert answers[0] == answers[2] == answers[4] and answers[1] == answers[3] == answers[5]
     assert answers[0] != answers[1] and len(answers[0]) == 40
+
+
+def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
+    from infer import loadtest
+
+    url, _, _ = served
+    out = tmp_path / "load.json"
+    args = ["--url", url, "--concurrency", "1,3", "--requests", "3", "--max-tokens", "8", "--json", str(out)]
+    assert loadtest.main(args) == 0
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["spec"]] == [1, 3]
+    for r in report["spec"]:
+        assert r["requests"] == 3 and 0 < r["tokens"] <= 24 and r["tokens_per_s"] > 0
+        assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["tpot_ms_p50"] >= 0
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "spec" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--max-batch", "0"], ["--port", "70000"], ["--max-len", "100000"], ["--target", "/no/such/model"]],
+    ids=["max-batch 0", "port out of range", "max-len above the positions", "missing target"],
+)
+def test_serve_refuses_bad_flags_in_one_line(args, capsys, tmp_path, monkeypatch):
+    from infer import serve
+
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
+    assert serve.main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err

@@ -1,0 +1,228 @@
+"""Load test of the OpenAI-compatible server: throughput, time to first token and time per output token at
+several concurrency levels, with speculation and with --no-spec, in one run.
+
+    python -m infer.loadtest [--target DIR --draft DIR] [--concurrency 1,2,4,8,16] [--max-batch 16]
+        [--questions data/eval/mt_bench.jsonl] [--requests 16] [--max-tokens 128] [--json OUT]
+    python -m infer.loadtest --url http://127.0.0.1:8000 ...          # a server already running (one mode)
+
+Without --url it starts `python -m infer.serve` twice on a free local port (speculative, then --no-spec,
+same models and settings), waits for its warm-up, and sends greedy streamed chat requests (MT-bench first
+turns, cycling) from C concurrent clients. Prints and writes (JSON + PNG next to it) per mode and level:
+output tokens/s, time to first token and time per output token (p50/p99), and the speedup of speculation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from cli import command
+from eagle_jax.errors import EagleError
+from eagle_jax.io import files
+
+READY_TIMEOUT_S = 1800
+
+
+def first_turns(path: Path, n: int) -> list[str]:
+    turns = [json.loads(line)["turns"][0] for line in Path(path).read_text().splitlines() if line.strip()]
+    if not turns:
+        raise EagleError(f"--questions {path}: no questions found")
+    return [turns[i % len(turns)] for i in range(n)]
+
+
+async def one_request(client, url: str, question: str, max_tokens: int) -> dict:
+    """A streamed greedy chat request: time to first token, time per output token, tokens."""
+    body = {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            raise EagleError(f"{url}: HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft_s": first - t0, "tpot_s": (end - first) / max(1, tokens - 1), "tokens": tokens, "end": end}
+
+
+async def level(url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
+    """All `questions` sent by `concurrency` clients, each taking the next question when done."""
+    import httpx
+
+    todo = list(enumerate(questions))
+    results: list[dict] = []
+    async with httpx.AsyncClient() as client:
+
+        async def worker():
+            while todo:
+                _, q = todo.pop(0)
+                results.append(await one_request(client, url, q, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ttft = np.array([r["ttft_s"] for r in results])
+    tpot = np.array([r["tpot_s"] for r in results])
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens": tokens,
+        "seconds": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_ms_p50": 1000 * float(np.percentile(ttft, 50)),
+        "ttft_ms_p99": 1000 * float(np.percentile(ttft, 99)),
+        "tpot_ms_p50": 1000 * float(np.percentile(tpot, 50)),
+        "tpot_ms_p99": 1000 * float(np.percentile(tpot, 99)),
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`python -m infer.serve ARGS` on a free port (its log in a temporary file); returns once /health answers."""
+    import httpx
+
+    port = free_port()
+    log = tempfile.TemporaryFile("w+")  # noqa: SIM115 (lives as long as the server process)
+    cmd = [sys.executable, "-m", "infer.serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stderr=log, stdout=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + READY_TIMEOUT_S
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise EagleError(f"the server exited ({proc.returncode}): {log.read().strip()[-300:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise EagleError(f"the server did not answer within {READY_TIMEOUT_S} s")
+
+
+def measure(url: str, questions: list[str], levels: Sequence[int], max_tokens: int, label: str) -> list[dict]:
+    rows = []
+    for c in tqdm(levels, desc=f"{label} concurrency", file=sys.stderr):
+        asyncio.run(level(url, questions[: max(c, 1)], c, max_tokens))  # warm the path at this load
+        rows.append(asyncio.run(level(url, questions, c, max_tokens)))
+    return rows
+
+
+def render(report: dict) -> str:
+    lines = ["mode     conc  tok/s  ttft p50/p99 ms   tpot p50/p99 ms   speedup"]
+    plain = {r["concurrency"]: r for r in report.get("plain", [])}
+    for mode in ("spec", "plain"):
+        for r in report.get(mode, []):
+            base = plain.get(r["concurrency"])
+            speed = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if mode == "spec" and base else ""
+            lines.append(
+                f"{mode:7s} {r['concurrency']:5d} {r['tokens_per_s']:6.1f} "
+                f"{r['ttft_ms_p50']:8.0f}/{r['ttft_ms_p99']:<7.0f} "
+                f"{r['tpot_ms_p50']:8.1f}/{r['tpot_ms_p99']:<7.1f} {speed:>8s}"
+            )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in ("spec", "plain"):
+        rows = report.get(mode, [])
+        if rows:
+            c = [r["concurrency"] for r in rows]
+            axes[0].plot(c, [r["tokens_per_s"] for r in rows], marker="o", label=mode)
+            axes[1].plot(c, [r["tpot_ms_p50"] for r in rows], marker="o", label=mode)
+    for ax, name in zip(axes, ("output tokens/s", "time per output token p50 (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(name)
+        ax.legend()
+    fig.suptitle("eagle-jax server load test")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = command.ArgumentParser(prog="python -m infer.loadtest", description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", help="a running server (measured as one mode); default: start one per mode")
+    p.add_argument("--target", help="target for the servers started here (default: the demo pair)")
+    p.add_argument("--draft", help="head for the servers started here")
+    p.add_argument("--dtype", choices=tuple(command.DTYPES))
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--concurrency", default="1,2,4,8,16")
+    p.add_argument("--questions", default="data/eval/mt_bench.jsonl")
+    p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--json", help="write the figures here (and a PNG next to it)")
+    a = p.parse_args(argv)
+    try:
+        levels = sorted({int(x) for x in a.concurrency.split(",") if x.strip()})
+    except ValueError:
+        raise EagleError(f"--concurrency {a.concurrency!r}: expected comma-separated integers, e.g. 1,2,4") from None
+    if not levels or min(levels) < 1 or a.requests < 1 or a.max_tokens < 1:
+        raise EagleError("--concurrency levels, --requests and --max-tokens must be >= 1")
+    if a.json:
+        files.check_output_file(a.json, "--json")
+    questions = first_turns(Path(a.questions), max(a.requests, max(levels)))
+    report: dict = {"settings": {"concurrency": levels, "requests": len(questions), "max_tokens": a.max_tokens}}
+    if a.url:
+        report["spec"] = measure(a.url.rstrip("/"), questions, levels, a.max_tokens, "server")
+    else:
+        common = [f"--{k}={v}" for k, v in (("target", a.target), ("draft", a.draft), ("dtype", a.dtype)) if v]
+        common += ["--max-batch", str(a.max_batch), "--max-len", str(a.max_len)]
+        report["settings"] |= {"server_args": common, "target": command.shown_path(a.target)}
+        for mode, extra in (("spec", []), ("plain", ["--no-spec"])):
+            proc, url = start_server(common + extra)
+            try:
+                report[mode] = measure(url, questions, levels, a.max_tokens, mode)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    print(render(report))
+    if a.json:
+        files.write_json_atomic(a.json, report)
+        plot(report, Path(a.json).with_suffix(".png"))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return command.run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
