@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -92,17 +93,72 @@ def swiglu(x: jax.Array, p: dict) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
 
 
-def sparse_moe(x: jax.Array, p: dict, experts_per_token: int) -> jax.Array:
-    """Mixtral MoE: softmax router, top-k experts renormalised, SwiGLU experts.
-
-    x [B, T, H]; p['router'] [H, E]; expert weights stacked on a leading E axis.
-    """
-    router_logits = linear(x, p["router"]).astype(jnp.float32)  # [B, T, E]
-    probs = jax.nn.softmax(router_logits, axis=-1)
+def route(x: jax.Array, router: jax.Array, experts_per_token: int) -> tuple[jax.Array, jax.Array]:
+    """Mixtral routing: softmax over the experts, top-k, renormalised. -> weights [..., k] f32, experts [..., k]."""
+    probs = jax.nn.softmax(linear(x, router).astype(jnp.float32), axis=-1)
     top_p, top_i = jax.lax.top_k(probs, experts_per_token)
-    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    weights = jnp.sum(jax.nn.one_hot(top_i, probs.shape[-1]) * top_p[..., None], axis=-2)  # [B, T, E]
-    gate = jnp.einsum("bth,ehi->btei", x, p["gate"])
-    up = jnp.einsum("bth,ehi->btei", x, p["up"])
-    out = jnp.einsum("btei,eih->bteh", jax.nn.silu(gate) * up, p["down"])
-    return jnp.einsum("bteh,bte->bth", out, weights.astype(out.dtype))
+    return top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_i
+
+
+def _expert(x: jax.Array, p: dict, e: int | jax.Array) -> jax.Array:
+    """Expert e's SwiGLU on x [..., H] (its weights read in place when e is static)."""
+    return linear(jax.nn.silu(linear(x, p["gate"][e])) * linear(x, p["up"][e]), p["down"][e])
+
+
+def moe_dense(x: jax.Array, p: dict, experts_per_token: int) -> jax.Array:
+    """Every expert on every token, summed with the routing weights (zero for experts not chosen)."""
+    top_p, top_i = route(x, p["router"], experts_per_token)
+    weights = jnp.sum(jax.nn.one_hot(top_i, p["router"].shape[-1]) * top_p[..., None], axis=-2)  # [..., E]
+    gate = jnp.einsum("...h,ehi->...ei", x, p["gate"])
+    up = jnp.einsum("...h,ehi->...ei", x, p["up"])
+    out = jnp.einsum("...ei,eih->...eh", jax.nn.silu(gate) * up, p["down"])
+    return jnp.einsum("...eh,...e->...h", out, weights.astype(out.dtype))
+
+
+def _moe_switched(xs: jax.Array, top_p: jax.Array, top_i: jax.Array, p: dict) -> jax.Array:
+    """Few tokens: one `switch` per (token, choice) runs only the chosen expert. xs [N, H] -> [N, H]."""
+    n, k = top_i.shape
+    branches = [functools.partial(_expert, p=p, e=e) for e in range(p["router"].shape[-1])]
+    outs = jnp.stack([jax.lax.switch(top_i[j // k, j % k], branches, xs[j // k]) for j in range(n * k)])
+    return jnp.einsum("nkh,nk->nh", outs.reshape(n, k, -1), top_p.astype(outs.dtype))
+
+
+def _moe_grouped(xs: jax.Array, top_p: jax.Array, top_i: jax.Array, p: dict) -> jax.Array:
+    """Many tokens: the (token, choice) rows sorted by expert, one ragged product per weight. xs [N, H] -> [N, H].
+
+    On TPUs and GPUs a ragged product computes each row against its own expert only; elsewhere (the CPU
+    lowering masks every group, E times the work) `moe_dense` is cheaper and is used instead.
+    """
+    n, k = top_i.shape
+    num_experts = p["router"].shape[-1]
+    flat = top_i.reshape(-1)
+    order = jnp.argsort(flat)
+    rows = xs[order // k]  # [N*k, H], grouped by expert
+    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+    h = jax.nn.silu(jax.lax.ragged_dot(rows, p["gate"], sizes)) * jax.lax.ragged_dot(rows, p["up"], sizes)
+    out = jax.lax.ragged_dot(h, p["down"], sizes)
+    out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+    return jnp.einsum("nkh,nk->nh", out, top_p.astype(out.dtype))
+
+
+def sparse_moe(x: jax.Array, p: dict, experts_per_token: int) -> jax.Array:
+    """Mixtral MoE: softmax router, top-k experts renormalised, SwiGLU experts; only the chosen experts run.
+
+    x [..., H]; p['router'] [H, E]; expert weights stacked on a leading E axis. With N tokens, when the
+    N * k chosen (token, expert) pairs are fewer than the experts (decoding a few sequences), each pair runs
+    its expert through a `switch`, which reads that expert's weights only; otherwise the pairs are grouped by
+    expert into ragged products on TPUs/GPUs (each row meets one expert), and the dense weighted sum runs on
+    CPUs. All paths give `moe_dense`'s result.
+    """
+    shape = x.shape
+    xs = x.reshape(-1, shape[-1])
+    top_p, top_i = route(xs, p["router"], experts_per_token)
+    if xs.shape[0] * experts_per_token < p["router"].shape[-1]:
+        out = _moe_switched(xs, top_p, top_i, p)
+    else:
+        out = jax.lax.platform_dependent(
+            xs,
+            cpu=functools.partial(moe_dense, p=p, experts_per_token=experts_per_token),
+            default=lambda v: _moe_grouped(v, top_p, top_i, p),
+        )
+    return out.reshape(shape)
