@@ -123,42 +123,19 @@ def _moe_switched(xs: jax.Array, top_p: jax.Array, top_i: jax.Array, p: dict) ->
     return jnp.einsum("nkh,nk->nh", outs.reshape(n, k, -1), top_p.astype(outs.dtype))
 
 
-def _moe_grouped(xs: jax.Array, top_p: jax.Array, top_i: jax.Array, p: dict) -> jax.Array:
-    """Many tokens: the (token, choice) rows sorted by expert, one ragged product per weight. xs [N, H] -> [N, H].
-
-    On TPUs and GPUs a ragged product computes each row against its own expert only; elsewhere (the CPU
-    lowering masks every group, E times the work) `moe_dense` is cheaper and is used instead.
-    """
-    n, k = top_i.shape
-    num_experts = p["router"].shape[-1]
-    flat = top_i.reshape(-1)
-    order = jnp.argsort(flat)
-    rows = xs[order // k]  # [N*k, H], grouped by expert
-    sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    h = jax.nn.silu(jax.lax.ragged_dot(rows, p["gate"], sizes)) * jax.lax.ragged_dot(rows, p["up"], sizes)
-    out = jax.lax.ragged_dot(h, p["down"], sizes)
-    out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
-    return jnp.einsum("nkh,nk->nh", out, top_p.astype(out.dtype))
-
-
 def sparse_moe(x: jax.Array, p: dict, experts_per_token: int) -> jax.Array:
-    """Mixtral MoE: softmax router, top-k experts renormalised, SwiGLU experts; only the chosen experts run.
+    """Mixtral MoE: softmax router, top-k experts renormalised, SwiGLU experts.
 
     x [..., H]; p['router'] [H, E]; expert weights stacked on a leading E axis. With N tokens, when the
-    N * k chosen (token, expert) pairs are fewer than the experts (decoding a few sequences), each pair runs
-    its expert through a `switch`, which reads that expert's weights only; otherwise the pairs are grouped by
-    expert into ragged products on TPUs/GPUs (each row meets one expert), and the dense weighted sum runs on
-    CPUs. All paths give `moe_dense`'s result.
+    N * k chosen (token, expert) pairs are fewer than the experts (decoding a few rows), each pair runs its
+    expert through a `switch`, which reads and multiplies that expert's weights only (Mixtral, one row:
+    2 of 8 experts). With more pairs nearly every expert is read anyway, and the dense weighted sum runs.
+    (Pairs grouped by expert into `lax.ragged_dot` would skip the unchosen products in principle, but XLA:CPU
+    lowers it to masked dense products and libtpu's cost analysis of a Mixtral decode step with it counts
+    twice the dense sum's flops.)
     """
-    shape = x.shape
-    xs = x.reshape(-1, shape[-1])
+    xs = x.reshape(-1, x.shape[-1])
+    if xs.shape[0] * experts_per_token >= p["router"].shape[-1]:
+        return moe_dense(x, p, experts_per_token)
     top_p, top_i = route(xs, p["router"], experts_per_token)
-    if xs.shape[0] * experts_per_token < p["router"].shape[-1]:
-        out = _moe_switched(xs, top_p, top_i, p)
-    else:
-        out = jax.lax.platform_dependent(
-            xs,
-            cpu=functools.partial(moe_dense, p=p, experts_per_token=experts_per_token),
-            default=lambda v: _moe_grouped(v, top_p, top_i, p),
-        )
-    return out.reshape(shape)
+    return _moe_switched(xs, top_p, top_i, p).reshape(x.shape)
