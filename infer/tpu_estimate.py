@@ -36,7 +36,7 @@ from eagle_jax.parallel import cost, memory, sharding
 
 TAUS = (3.0, 4.0, 5.0)
 DEFAULT_SETUPS = (
-    "llama3.1-8b-eagle3@v5e-1",  # 16 GB of bf16 weights: more than a v5e's HBM, shown as refused
+    "llama3.1-8b-eagle3@v5e-1",  # target + head in bf16 exceed a v5e's 16 GiB: shown as refused
     "llama3.1-8b-eagle3@v5e-4",
     "llama3.1-8b-eagle3@v6e-1",
     "llama3.3-70b-eagle3@v6e-8",
