@@ -28,6 +28,7 @@ measures plain decoding and eleven envelopes (chains of 2-7 drafts, narrow and w
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -89,13 +90,18 @@ class Runner:
         self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32)
         self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)
         self.tparams, self.dparams = jax.device_put((self.tparams, self.dparams))
-        self.tokenizer = data.chat_tokenizer(target_dir, chat_template)
+        self.chat_template = chat_template
         self.sampling = SamplingConfig(temperature=temperature)
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
         self.tree: DynamicTree | None = None
         self._warm: set = set()
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The target's tokenizer with a chat template (loaded when first needed: token-id prompts need none)."""
+        return data.chat_tokenizer(self.paths[0], self.chat_template)
 
     @property
     def models(self) -> tuple:
@@ -387,6 +393,7 @@ def run_benchmark(args, log=print) -> dict:
         args.chat_template,
         args.seed,
     )
+    assert runner.tokenizer.chat_template  # questions are chat prompts: fail now if there is no template
     tree, auto = choose_tree(runner, args, files_, log)
     if tree is not None:
         check_fits(tree, runner.dcfg.draft_vocab_size)

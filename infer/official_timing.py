@@ -40,8 +40,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+# Run as a file, this folder is first on sys.path, where infer/profile.py would shadow the standard library's
+# `profile` (torch imports it through cProfile).
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 
 def parse_envelopes(text: str) -> list[tuple[int, int, int]]:

@@ -127,6 +127,22 @@ def empty_state(cfg: TargetConfig, batch: int, capacity: int, dtype) -> DecodeSt
     )
 
 
+def step(
+    params: dict, s: DecodeState, key: jax.Array, cfg: TargetConfig, sc: SamplingConfig, span: int | None = None
+) -> DecodeState:
+    """One decode step: the rows' latest tokens [B, 1] at positions = cache lengths, one target forward
+    attending over `span` slots, a sample per row, one slot committed for every row still running."""
+    running = ~s.done
+    fwd = target.forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache, span=span)
+    cache = kv_cache.advance(fwd.cache, running)
+    nxt = sample(jax.random.fold_in(key, s.step), fwd.logits[:, 0], sc)  # [B]
+    nxt = jnp.where(running, nxt, s.last)
+    out, counts, hit_eos = emit(s.out, s.counts, s.limits, nxt[:, None], running.astype(jnp.int32), cfg)
+    eos = s.eos | hit_eos
+    done = s.done | eos | (counts >= s.limits)
+    return DecodeState(s.step + 1, nxt, done, eos, counts, s.limits, out, cache)
+
+
 def decode_loop(
     params: dict, state: DecodeState, key: jax.Array, cfg: TargetConfig, sc: SamplingConfig, span: int | None = None
 ) -> DecodeState:
@@ -141,18 +157,7 @@ def decode_loop(
     def go_on(s: DecodeState) -> jax.Array:
         return ~jnp.all(s.done) & jnp.all(s.done | (s.cache.lengths < span))
 
-    def body(s: DecodeState) -> DecodeState:
-        running = ~s.done
-        fwd = target.forward(params, cfg, s.last[:, None], s.cache.lengths[:, None], s.cache, span=span)
-        cache = kv_cache.advance(fwd.cache, running)
-        nxt = sample(jax.random.fold_in(key, s.step), fwd.logits[:, 0], sc)  # [B]
-        nxt = jnp.where(running, nxt, s.last)
-        out, counts, hit_eos = emit(s.out, s.counts, s.limits, nxt[:, None], running.astype(jnp.int32), cfg)
-        eos = s.eos | hit_eos
-        done = s.done | eos | (counts >= s.limits)
-        return DecodeState(s.step + 1, nxt, done, eos, counts, s.limits, out, cache)
-
-    return jax.lax.while_loop(go_on, body, state)
+    return jax.lax.while_loop(go_on, lambda s: step(params, s, key, cfg, sc, span), state)
 
 
 decode_span = jax.jit(decode_loop, static_argnames=("cfg", "sc", "span"), donate_argnames=("state",))

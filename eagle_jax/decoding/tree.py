@@ -336,3 +336,14 @@ def parse_static(text: str) -> StaticTree:
         raise EagleError(
             f"bad static tree {text!r}: give 'mc_sim_7b_63' or a JSON list of rank paths like [[0],[1],[0,0]]"
         ) from None
+
+
+def parse_envelopes(text: str) -> list[DynamicTree]:
+    """'60/7/10,5/4/1' -> dynamic envelopes (total_tokens/depth/top_k each)."""
+    trees = []
+    for part in text.split(","):
+        fields = part.strip().split("/")
+        if len(fields) != 3 or not all(f.isdigit() for f in fields):
+            raise EagleError(f"bad tree envelope {part.strip()!r}: expected TOTAL/DEPTH/TOP_K, e.g. 60/7/10")
+        trees.append(DynamicTree(*(int(f) for f in fields)))
+    return trees

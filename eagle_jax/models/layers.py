@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -92,17 +93,49 @@ def swiglu(x: jax.Array, p: dict) -> jax.Array:
     return linear(jax.nn.silu(linear(x, p["gate"])) * linear(x, p["up"]), p["down"])
 
 
+def route(x: jax.Array, router: jax.Array, experts_per_token: int) -> tuple[jax.Array, jax.Array]:
+    """Mixtral routing: softmax over the experts, top-k, renormalised. -> weights [..., k] f32, experts [..., k]."""
+    probs = jax.nn.softmax(linear(x, router).astype(jnp.float32), axis=-1)
+    top_p, top_i = jax.lax.top_k(probs, experts_per_token)
+    return top_p / jnp.sum(top_p, axis=-1, keepdims=True), top_i
+
+
+def _expert(x: jax.Array, p: dict, e: int | jax.Array) -> jax.Array:
+    """Expert e's SwiGLU on x [..., H] (its weights read in place when e is static)."""
+    return linear(jax.nn.silu(linear(x, p["gate"][e])) * linear(x, p["up"][e]), p["down"][e])
+
+
+def moe_dense(x: jax.Array, p: dict, experts_per_token: int) -> jax.Array:
+    """Every expert on every token, summed with the routing weights (zero for experts not chosen)."""
+    top_p, top_i = route(x, p["router"], experts_per_token)
+    weights = jnp.sum(jax.nn.one_hot(top_i, p["router"].shape[-1]) * top_p[..., None], axis=-2)  # [..., E]
+    gate = jnp.einsum("...h,ehi->...ei", x, p["gate"])
+    up = jnp.einsum("...h,ehi->...ei", x, p["up"])
+    out = jnp.einsum("...ei,eih->...eh", jax.nn.silu(gate) * up, p["down"])
+    return jnp.einsum("...eh,...e->...h", out, weights.astype(out.dtype))
+
+
+def _moe_switched(xs: jax.Array, top_p: jax.Array, top_i: jax.Array, p: dict) -> jax.Array:
+    """Few tokens: one `switch` per (token, choice) runs only the chosen expert. xs [N, H] -> [N, H]."""
+    n, k = top_i.shape
+    branches = [functools.partial(_expert, p=p, e=e) for e in range(p["router"].shape[-1])]
+    outs = jnp.stack([jax.lax.switch(top_i[j // k, j % k], branches, xs[j // k]) for j in range(n * k)])
+    return jnp.einsum("nkh,nk->nh", outs.reshape(n, k, -1), top_p.astype(outs.dtype))
+
+
 def sparse_moe(x: jax.Array, p: dict, experts_per_token: int) -> jax.Array:
     """Mixtral MoE: softmax router, top-k experts renormalised, SwiGLU experts.
 
-    x [B, T, H]; p['router'] [H, E]; expert weights stacked on a leading E axis.
+    x [..., H]; p['router'] [H, E]; expert weights stacked on a leading E axis. With N tokens, when the
+    N * k chosen (token, expert) pairs are fewer than the experts (decoding a few rows), each pair runs its
+    expert through a `switch`, which reads and multiplies that expert's weights only (Mixtral, one row:
+    2 of 8 experts). With more pairs nearly every expert is read anyway, and the dense weighted sum runs.
+    (Pairs grouped by expert into `lax.ragged_dot` would skip the unchosen products in principle, but XLA:CPU
+    lowers it to masked dense products and libtpu's cost analysis of a Mixtral decode step with it counts
+    twice the dense sum's flops.)
     """
-    router_logits = linear(x, p["router"]).astype(jnp.float32)  # [B, T, E]
-    probs = jax.nn.softmax(router_logits, axis=-1)
-    top_p, top_i = jax.lax.top_k(probs, experts_per_token)
-    top_p = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
-    weights = jnp.sum(jax.nn.one_hot(top_i, probs.shape[-1]) * top_p[..., None], axis=-2)  # [B, T, E]
-    gate = jnp.einsum("bth,ehi->btei", x, p["gate"])
-    up = jnp.einsum("bth,ehi->btei", x, p["up"])
-    out = jnp.einsum("btei,eih->bteh", jax.nn.silu(gate) * up, p["down"])
-    return jnp.einsum("bteh,bte->bth", out, weights.astype(out.dtype))
+    xs = x.reshape(-1, x.shape[-1])
+    if xs.shape[0] * experts_per_token >= p["router"].shape[-1]:
+        return moe_dense(x, p, experts_per_token)
+    top_p, top_i = route(xs, p["router"], experts_per_token)
+    return _moe_switched(xs, top_p, top_i, p).reshape(x.shape)

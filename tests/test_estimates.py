@@ -1,0 +1,94 @@
+"""The cost table's and the TPU estimate's arithmetic by hand; the estimate on the golden target (XLA:CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
+from eagle_jax.errors import EagleError
+from eagle_jax.parallel import cost
+from infer import cost_table, tpu_estimate
+
+CHIP = cost.Chip("test", peak_flops=100.0, hbm_bandwidth=10.0)
+
+
+def test_roofline_by_hand():
+    memory_bound = cost.Cost(flops=100.0, bytes=50.0, resident=20.0)  # 1 s of flops, 5 s of bytes (2 s floor)
+    assert memory_bound.roofline_s(CHIP) == 5.0
+    assert memory_bound.roofline_s(CHIP, floor=True) == 2.0
+    assert memory_bound.bound(CHIP) == "memory"
+    compute_bound = cost.Cost(flops=1000.0, bytes=50.0)
+    assert compute_bound.roofline_s(CHIP) == 10.0 and compute_bound.bound(CHIP) == "compute"
+    assert cost.overhead(1.5, 1.0) == 0.5
+    assert cost.speedup(3.0, 0.5) == 2.0
+
+
+def test_estimate_row_by_hand():
+    step = cost.Cost(flops=100.0, bytes=20.0, resident=10.0)  # 2 s (floor 1 s)
+    cycle = cost.Cost(flops=600.0, bytes=30.0, resident=10.0)  # 6 s either way: compute-bound
+    row = tpu_estimate.estimate_row(CHIP, "60/7/10", cycle, step, taus=(3.0, 6.0))
+    assert row["cycle_ms"] == 6000.0 and row["step_ms"] == 2000.0 and row["c"] == 2.0
+    assert row["speedup"] == {"3": 1.0, "6": 2.0}
+    assert row["floor_c"] == 5.0 and row["floor_speedup"]["6"] == 1.0
+    assert row["cycle_bound"] == "compute"
+
+
+def test_parsers():
+    assert parse_envelopes("60/7/10, 5/4/1") == [DynamicTree(60, 7, 10), DynamicTree(5, 4, 1)]
+    assert tpu_estimate.parse_setup("llama3.1-8b-eagle3@v6e-1") == ("llama3.1-8b-eagle3", "v6e-1")
+    for bad in ("60/7", "a/b/c"):
+        with pytest.raises(EagleError, match="bad tree envelope"):
+            parse_envelopes(bad)
+    with pytest.raises(EagleError, match="bad setup"):
+        tpu_estimate.parse_setup("llama3.1-8b-eagle3@v9-1")
+
+
+def _run(tokens, seconds, decode_s, accept, **loop):
+    return {"tokens": tokens, "accept_lengths": accept, "seconds": seconds, "decode_s": decode_s, **loop}
+
+
+def test_cost_table_figures_by_hand():
+    # two prompts, two repeats; spec: 6 + 4 tokens in 2 + 2 cycles; plain: the same tokens in 5 + 3 steps
+    spec = [
+        [_run([[1] * 6], 1.0, 0.8, [[2, 1]], cycles=2), _run([[2] * 4], 1.0, 0.8, [[1, 1]], cycles=2)],
+        [_run([[1] * 6], 3.0, 2.0, [[2, 1]], cycles=2), _run([[2] * 4], 3.0, 2.0, [[1, 1]], cycles=2)],
+    ]
+    plain = [
+        [_run([[1] * 6], 2.0, 1.6, [[0] * 6], steps=5), _run([[2] * 4], 2.0, 1.6, [[0] * 4], steps=3)],
+        [_run([[1] * 6], 2.0, 1.6, [[0] * 6], steps=5), _run([[2] * 4], 2.0, 1.6, [[0] * 4], steps=3)],
+    ]
+    f = cost_table.figures(spec, plain)
+    assert f["spec_tokens_per_s"] == 10 / 4.0  # median of (2.0, 6.0) s
+    assert f["plain_tokens_per_s"] == 10 / 4.0
+    assert f["speedup"] == 1.0 and f["tau"] == 10 / 4 and f["identical"]
+    assert f["c"] == pytest.approx((2.8 / 4) / (3.2 / 8) - 1)  # median decode 2.8 s / 4 cycles vs 3.2 s / 8 steps
+    plain[0][1]["tokens"] = [[3] * 4]
+    assert not cost_table.figures(spec, plain)["identical"]
+    assert cost_table.figures(spec, plain, speculative=False)["c"] is None
+
+
+def test_cost_table_markdown():
+    row = {"batch": 1, "envelope": "5/4/1", "budget": False, "spec_tokens_per_s": 20.0, "plain_tokens_per_s": 10.0}
+    row |= {"speedup": 2.0, "tau": 3.0, "c": 0.5, "identical": True}
+    official = {"spec_tokens_per_s": 5.0, "plain_tokens_per_s": 4.0, "c": 1.25}
+    text = cost_table.table({"rows": [row, {**row, "batch": 8, "budget": True, "c": None}]})
+    assert "| 1 | 5/4/1 | 20.0 | 10.0 | 2.00x | 3.00 | 0.50 | yes |" in text
+    assert "| 8 | 5/4/1 (budget) |" in text and "official" not in text
+    text = cost_table.table({"rows": [{**row, "official": official}, {**row, "batch": 8}]})
+    assert "| 5.0 | 4.0 | 1.25 | 4.00x |" in text and text.endswith("| - | - | - | - |")
+
+
+def test_tpu_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir, capsys):
+    out = tmp_path / "estimate.json"
+    argv = ["--setup", f"{golden_dir / 'target'}@v6e-1", "--trees", "5/4/1,16/4/4", "--context", "64", "--cpu"]
+    assert tpu_estimate.main([*argv, "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "ESTIMATE" in printed and "XLA:CPU" in printed
+    report = json.loads(out.read_text())
+    (setup,) = report["setups"]
+    narrow, wide = setup["rows"]
+    assert narrow["step_gflop"] == wide["step_gflop"] > 0
+    assert wide["cycle_gflop"] > narrow["cycle_gflop"] > narrow["step_gflop"]  # more nodes, more work
+    assert narrow["cycle_floor_gb"] > narrow["step_floor_gb"] > 0  # the head and its cache on top
