@@ -28,24 +28,20 @@ measures plain decoding and eleven envelopes (chains of 2-7 drafts, narrow and w
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import sys
-import time
 from pathlib import Path
 
-import jax
 import numpy as np
 from tqdm import tqdm
 
 from cli import budget as cli_budget
 from cli import command, demo
-from eagle_jax.decoding import acceptance, budget, plain, schedule, speculative
-from eagle_jax.decoding.sampling import SamplingConfig
+from cli.timing import Runner
+from eagle_jax.decoding import acceptance, budget
 from eagle_jax.decoding.tree import DynamicTree, check_fits
 from eagle_jax.errors import EagleError
-from eagle_jax.io import files, loading
-from eagle_jax.training import data
+from eagle_jax.io import files
 
 
 def read_questions(path: Path, limit: int | None) -> list[dict]:
@@ -70,137 +66,6 @@ def read_questions(path: Path, limit: int | None) -> list[dict]:
     if not out:
         raise EagleError(f"{path}: no questions")
     return out
-
-
-class Runner:
-    """One target + draft + tokenizer; times plain and speculative generation of a batch of prompts."""
-
-    def __init__(
-        self,
-        target_dir,
-        draft_dir,
-        temperature: float,
-        max_new_tokens: int,
-        max_prompt_tokens: int,
-        chat_template: str | None = None,
-        seed: int = 0,
-    ):
-        # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
-        self.paths = (Path(target_dir), Path(draft_dir))
-        self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32)
-        self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)
-        self.tparams, self.dparams = jax.device_put((self.tparams, self.dparams))
-        self.chat_template = chat_template
-        self.sampling = SamplingConfig(temperature=temperature)
-        self.max_new_tokens = max_new_tokens
-        self.max_prompt_tokens = max_prompt_tokens
-        self.seed = seed
-        self.tree: DynamicTree | None = None
-        self._warm: set = set()
-
-    @functools.cached_property
-    def tokenizer(self):
-        """The target's tokenizer with a chat template (loaded when first needed: token-id prompts need none)."""
-        return data.chat_tokenizer(self.paths[0], self.chat_template)
-
-    @property
-    def models(self) -> tuple:
-        return self.tcfg, self.tparams, self.dcfg, self.dparams
-
-    def set_tree(self, tree: DynamicTree | None) -> None:
-        """The envelope of the speculative side; None: plain decoding there too."""
-        self.tree = tree
-        self._warm = set()
-
-    def prompt(self, history: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return ids[-self.max_prompt_tokens :]  # keep the end (the question and the generation prompt)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def prepare(self, prompts: list[list[int]], max_new_tokens: int) -> schedule.Prompts:
-        """Both decoders' layout: the capacity holds prompt bucket + budget + one cycle's tree."""
-        overhead = self.tree.cache_overhead if self.tree else 0
-        return schedule.prepare(
-            prompts, max_new_tokens, overhead, None, self.tcfg.rope.max_position_embeddings, self.tcfg.pad_token_id or 0
-        )
-
-    def _static(self) -> dict:
-        return dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
-
-    def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
-        p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
-        key = jax.random.key(self.seed)
-        t0 = time.perf_counter()
-        cache, first = jax.block_until_ready(
-            plain.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity)
-        )
-        t1 = time.perf_counter()
-        state = jax.block_until_ready(
-            plain.decode(self.tparams, cache, first, p.limits, key, cfg=self.tcfg, sc=self.sampling)
-        )
-        t2 = time.perf_counter()
-        tokens = plain.result(state, p.tokens.shape[1]).tokens
-        return {
-            "tokens": tokens,
-            "accept_lengths": [[0] * len(t) for t in tokens],
-            "prefill_s": t1 - t0,
-            "decode_s": t2 - t1,
-            "seconds": t2 - t0,
-            "steps": int(state.step) - 1,
-        }
-
-    def speculative(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
-        if self.tree is None:
-            res = self.plain(prompts, max_new_tokens)
-            return {**res, "cycles": res.pop("steps") + 1}
-        p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
-        key = jax.random.key(self.seed)
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(
-            speculative.prefill(
-                self.tparams, self.dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **self._static()
-            )
-        )
-        t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, **self._static()))
-        t2 = time.perf_counter()
-        res = speculative.result(state)
-        return {
-            "tokens": res.tokens,
-            "accept_lengths": res.accept_lengths,
-            "prefill_s": t1 - t0,
-            "decode_s": t2 - t1,
-            "seconds": t2 - t0,
-            "cycles": int(state.cycle),
-        }
-
-    def warm(self, prompts: list[list[int]]) -> None:
-        """Run the batch's prompt bucket through both decoders once, over every attention span, so that the timed
-        runs find every program compiled and run before (XLA:CPU finishes some kernels on their first run)."""
-        shape = (len(prompts), schedule.prompt_bucket(max(map(len, prompts))))
-        if shape in self._warm:
-            return
-        p = self.prepare(prompts, self.max_new_tokens)
-        key, few = jax.random.key(self.seed), p.limits * 0 + 2  # a cycle or two in each span
-        for span in schedule.all_spans(p.capacity):  # fresh states: the loops consume (donate) theirs
-            cache, first = plain.prefill(
-                self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity
-            )
-            state = plain.init_state(cache, first, few, self.tcfg)
-            jax.block_until_ready(
-                plain.decode_span(self.tparams, state, key, cfg=self.tcfg, sc=self.sampling, span=span)
-            )
-            if self.tree is not None:
-                state = speculative.prefill(
-                    self.tparams, self.dparams, p.tokens, p.lengths, few, key, capacity=p.capacity, **self._static()
-                )
-                jax.block_until_ready(
-                    speculative.run_span(self.tparams, self.dparams, state, span=span, **self._static())
-                )
-        self._warm.add(shape)
 
 
 # ---------------------------------------------------------------- statistics

@@ -8,7 +8,7 @@ Greedy decoding of the golden prompts (p{i}.input_ids of reference.npz). Batch 1
 a time; a larger batch decodes them together, repeated to fill its rows. Each batch size runs every envelope
 and, above batch 1, also the one `eagle_jax.decoding.budget` chooses for it (`budget.calibrate` on the same
 prompts, here; plain decoding when no envelope wins). Every program is compiled and run once
-before the timings (`infer.benchmark.Runner`); times are medians over --repeats of the time summed over the
+before the timings (`cli.timing.Runner`); times are medians over --repeats of the time summed over the
 prompts, prefill included. Reported: spec and plain tokens/s, speedup, tau, c = (speculative loop time / cycles)
 / (plain loop time / steps) - 1, and whether the speculative outputs equal the plain ones.
 
@@ -31,12 +31,12 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import command
+from cli.timing import Runner
 from eagle_jax.decoding import budget
 from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 from eagle_jax.parallel import cost
-from infer.benchmark import Runner
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden"

@@ -175,7 +175,7 @@ def test_warm_up_compiles_every_span(golden_with_template):
     from eagle_jax.decoding import plain as gen
     from eagle_jax.decoding import schedule, speculative
     from eagle_jax.decoding.tree import DynamicTree
-    from infer.benchmark import Runner
+    from cli.timing import Runner
 
     runner = Runner(golden_with_template, GOLDEN / "eagle3", 0.0, 200, 30)
     runner.set_tree(DynamicTree(8, 3, 2))
