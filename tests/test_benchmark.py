@@ -172,10 +172,10 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
 
 def test_warm_up_compiles_every_span(golden_with_template):
     """After `Runner.warm`, timed runs of any prompts in the bucket compile nothing, across spans."""
+    from cli.timing import Runner
     from eagle_jax.decoding import plain as gen
     from eagle_jax.decoding import schedule, speculative
     from eagle_jax.decoding.tree import DynamicTree
-    from cli.timing import Runner
 
     runner = Runner(golden_with_template, GOLDEN / "eagle3", 0.0, 200, 30)
     runner.set_tree(DynamicTree(8, 3, 2))

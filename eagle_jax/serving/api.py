@@ -181,6 +181,11 @@ class Api:
         finally:
             req.cancel()  # a no-op for a finished row; frees the slot of one whose client went away
 
+    def _body(self, rid: str, created: int, chat: bool, part: str, choices: list[dict]) -> dict:
+        """A response (part "message") or stream chunk (part "delta") around its choices."""
+        kind = ("chat.completion" if part == "message" else "chat.completion.chunk") if chat else "text_completion"
+        return {"id": rid, "object": kind, "created": created, "model": self.model, "choices": choices}
+
     def _usage(self, parsed: Parsed, completion: int) -> dict:
         return {
             "prompt_tokens": len(parsed.prompt),
@@ -195,34 +200,12 @@ class Api:
             text, reason, tokens = "", None, 0
             async for delta, why, tokens in self.complete(parsed):  # noqa: B007 (the last count is used)
                 text, reason = text + delta, why or reason
-            choice = (
-                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason}
-                if chat
-                else {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
-            )
-            body = {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": created,
-                "model": self.model,
-                "choices": [choice],
-                "usage": self._usage(parsed, tokens),
-            }
-            return JSONResponse(body)
+            message = {"role": "assistant", "content": text} if chat else text
+            body = self._body(rid, created, chat, "message", [_choice(chat, "message", message, reason)])
+            return JSONResponse({**body, "usage": self._usage(parsed, tokens)})
 
         def chunk(delta: dict | str, reason: str | None, usage: dict | None = None, choices: bool = True) -> str:
-            choice = (
-                {"index": 0, "delta": delta, "finish_reason": reason}
-                if chat
-                else {"index": 0, "text": delta, "logprobs": None, "finish_reason": reason}
-            )
-            body = {
-                "id": rid,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created,
-                "model": self.model,
-                "choices": [choice] if choices else [],
-            }
+            body = self._body(rid, created, chat, "delta", [_choice(chat, "delta", delta, reason)] if choices else [])
             if usage is not None:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
@@ -241,6 +224,13 @@ class Api:
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _choice(chat: bool, part: str, content: dict | str, reason: str | None) -> dict:
+    """One choice: a chat message or delta (`part`), or a completion's text."""
+    if chat:
+        return {"index": 0, part: content, "finish_reason": reason}
+    return {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
 
 
 def metrics_text(engine: batching.Batcher) -> str:
