@@ -21,6 +21,7 @@ from cli import budget, command, demo, presets
 from eagle_jax.decoding import budget as budgets
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
+from eagle_jax.parallel import sharding
 from eagle_jax.serving import api, batcher
 
 MEASURED_BATCHES = (1, 4, 8, 16)
@@ -48,6 +49,7 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (the head only follows along)")
     p.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
+    p.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (data must divide --max-batch)")
     a = p.parse_args(argv)
     for name in ("max_batch", "max_len", "max_queue", "max_tokens"):
         if getattr(a, name) < 1:
@@ -66,9 +68,13 @@ def _main(argv: Sequence[str] | None) -> int:
             raise EagleError(f"no draft head: pass --draft DIR ({target_dir} holds none)")
     demo_pair = a.target is None and preset is None
     dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else "fp32" if demo_pair else None))
-    tcfg, tparams = loading.load_target(target_dir, dtype)
-    dcfg, dparams = loading.load_draft(draft_dir, tcfg, dtype=tparams["embed"].dtype)
-    tparams, dparams = jax.device_put(tparams), jax.device_put(dparams)
+    mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)
+    with command.flag("--mesh"):
+        mesh = sharding.make_mesh(mesh_text) if mesh_text else None
+        tcfg, tparams = loading.load_target(target_dir, dtype, mesh)
+        dcfg, dparams = loading.load_draft(draft_dir, tcfg, dtype=tparams["embed"].dtype, mesh=mesh)
+    if mesh is None:
+        tparams, dparams = jax.device_put(tparams), jax.device_put(dparams)
     with command.flag("--target"):
         tok = loading.load_tokenizer(target_dir, preset.chat_template if preset else None)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -85,6 +91,7 @@ def _main(argv: Sequence[str] | None) -> int:
         a.max_len,
         max_queue=a.max_queue,
         speculate=not a.no_spec,
+        mesh=mesh,
     )
     names = engine.programs()
     log(f"warm-up: {len(names)} programs compiled in {engine.warm_up():.1f} s ({', '.join(names)})")

@@ -263,3 +263,29 @@ def test_serve_refuses_bad_flags_in_one_line(args, capsys, tmp_path, monkeypatch
     assert serve.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: "), err
+
+
+def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
+    """Parameters and the rows' caches split over data=2, tensor=2: the batched answers equal plain decoding."""
+    import jax
+
+    from eagle_jax.decoding.sampling import SamplingConfig
+    from eagle_jax.parallel import sharding
+
+    tcfg, tparams = golden_target
+    dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
+    mesh = sharding.make_mesh("data=2,tensor=2", jax.devices()[:4])
+    placed_t = sharding.place(tparams, sharding.target_shardings(tcfg, mesh))
+    placed_d = sharding.place(dparams, sharding.draft_shardings(dcfg, mesh))
+    tree = DynamicTree(16, 4, 4)
+    engine = batcher.Batcher(
+        placed_t, tcfg, placed_d, dcfg, lambda n: tree, slots=2, capacity=256, chunks=(32,), mesh=mesh
+    )
+    prompts = [list(range(5, 40)), list(range(100, 112)), list(range(300, 360))]
+    outs = [[] for _ in prompts]
+    for prompt, out in zip(prompts, outs):
+        engine.submit(batcher.Request(prompt, 24, SamplingConfig(), 0, out.extend, lambda why: None))
+    while engine.step():
+        pass
+    for prompt, out in zip(prompts, outs):
+        assert out == plain.generate(tparams, tcfg, [prompt], 24).tokens[0]

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from eagle_jax.decoding import plain, schedule, speculative
 from eagle_jax.decoding.plain import DecodeState, GenerationResult
+from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult, SpecState
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig
@@ -50,8 +51,9 @@ def cache_shardings(num_kv_heads: int, mesh: Mesh) -> KVCache:
     return KVCache(_named(mesh, rules, CACHE_AXES), _named(mesh, rules, CACHE_AXES), _named(mesh, rules, BATCH))
 
 
-def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh) -> SpecState:
-    """The speculative loop state: caches as `cache_shardings`, per-row fields over data, the rest replicated."""
+def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, per_row: bool = False) -> SpecState:
+    """The speculative loop state: caches as `cache_shardings`, per-row fields over data, the rest replicated;
+    `per_row`: with per-row sampling controls (a server's batch), also over data."""
     by_row, by_row_wide, by_step, replicated = (
         _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), (None, "batch"), ())
     )
@@ -68,6 +70,7 @@ def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh) -> S
         cycle=replicated,
         accept_lengths=by_step,
         key=replicated,
+        controls=RowControls(by_row, by_row, by_row, by_row) if per_row else None,
     )
 
 

@@ -23,13 +23,15 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
-from eagle_jax.decoding import schedule, session, speculative
+from eagle_jax.decoding import programs, schedule, session, speculative
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import NoDraft, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.models.config import DraftConfig, TargetConfig
+from eagle_jax.parallel import sharding
 
 STATIC_SAMPLING = SamplingConfig()  # unused by rows with controls; one value keeps one program per shape
 
@@ -94,6 +96,7 @@ class Batcher:
         chunks: Sequence[int] = session.CHUNKS,
         max_queue: int = 64,
         speculate: bool = True,
+        mesh: Mesh | None = None,
     ):
         if capacity > tcfg.rope.max_position_embeddings:
             raise EagleError(
@@ -109,6 +112,9 @@ class Batcher:
             speculative.empty_state(tcfg, dcfg, slots, capacity, dtype),
             controls=RowControls.of([STATIC_SAMPLING] * slots, [0] * slots),
         )
+        if mesh is not None:  # parameters are placed by their loader; the rows' state splits over data too
+            sharding.check_mesh(mesh, tcfg, dcfg, slots)
+            self.state = jax.device_put(self.state, programs.spec_state_shardings(tcfg, dcfg, mesh, per_row=True))
         self.rows: list[Request | None] = [None] * slots
         self.shown = np.zeros(slots, np.int64)  # tokens already handed to each row's request
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # what each slot's caches hold
