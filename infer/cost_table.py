@@ -32,11 +32,10 @@ from tqdm import tqdm
 
 from cli import command
 from cli.timing import Runner
-from eagle_jax.decoding import budget
+from eagle_jax.decoding import budget, cost
 from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
-from eagle_jax.parallel import cost
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden"

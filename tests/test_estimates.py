@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from eagle_jax.decoding import cost
 from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
-from eagle_jax.parallel import cost
 from infer import cost_table, tpu_estimate
 
 CHIP = cost.Chip("test", peak_flops=100.0, hbm_bandwidth=10.0)

@@ -9,7 +9,9 @@ skipped on restore in favour of the newest intact one that `keep` left.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,21 @@ def save(mgr: ocp.CheckpointManager, step: int, state: PyTree, meta: dict) -> No
     )
 
 
+@contextlib.contextmanager
+def _quiet_loggers(*names: str) -> Iterator[None]:
+    """Silence the named loggers below CRITICAL for the block (their tracebacks of a damaged file would bury
+    the one-line report)."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def restore_latest(
     mgr: ocp.CheckpointManager, abstract_state: PyTree, log: Callable[[str], None]
 ) -> tuple[PyTree, dict] | None:
@@ -45,10 +62,13 @@ def restore_latest(
     damaged: list[tuple[int, str]] = []
     for step in sorted(mgr.all_steps(), reverse=True):
         try:
-            restored = mgr.restore(
-                step,
-                args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
-            )
+            with _quiet_loggers("absl", "orbax", "jax"):  # a damaged file is reported below, in one line
+                restored = mgr.restore(
+                    step,
+                    args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+                    ),
+                )
         except Exception as exc:  # orbax, tensorstore and JSON raise many kinds for a damaged checkpoint
             damaged.append((step, first_line(exc)))
             log(f"warning: checkpoint {directory / str(step)} is damaged ({first_line(exc)[:200]}); skipping it")
