@@ -334,6 +334,7 @@ def write_gguf(
     stored: Stored,
     arch: str = "llama",
     tokenizer: bool = True,
+    merges: bool = True,
     omit: tuple[str, ...] = (),
     extra: Callable | None = None,
 ) -> Path:
@@ -362,7 +363,8 @@ def write_gguf(
         w.add_tokenizer_pre("llama-bpe")
         w.add_token_list(TOKENS)
         w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (VOCAB - len(SPECIALS)))
-        w.add_token_merges(MERGES)
+        if merges:
+            w.add_token_merges(MERGES)
         w.add_bos_token_id(BOS)
         w.add_eos_token_id(EOS)
         w.add_add_bos_token(True)
@@ -666,6 +668,8 @@ def _bad_file(kind: str, good: Path, tmp: Path) -> Path:
     if kind == "truncated":
         data = good.read_bytes()
         path.write_bytes(data[: len(data) // 2])
+    elif kind == "truncated_header":
+        path.write_bytes(good.read_bytes()[:64])
     elif kind == "magic":
         path.write_bytes(b"GGML" + good.read_bytes()[4:])
     elif kind == "architecture":
@@ -675,6 +679,8 @@ def _bad_file(kind: str, good: Path, tmp: Path) -> Path:
         write_gguf(path, SMALL, small | {"blk.0.attn_v.weight": (raw, QType.IQ4_NL)})
     elif kind == "no_tokenizer":
         write_gguf(path, SMALL, small, tokenizer=False)
+    elif kind == "no_merges":
+        write_gguf(path, SMALL, small, merges=False)
     elif kind == "missing_key":
         write_gguf(path, SMALL, small, omit=("block_count",))
     elif kind == "rope_freqs":
@@ -685,10 +691,12 @@ def _bad_file(kind: str, good: Path, tmp: Path) -> Path:
 BAD = {
     "missing": "file not found",
     "truncated": "truncated or corrupt",
+    "truncated_header": "truncated or corrupt",
     "magic": "not a GGUF file (it starts with b'GGML'",
     "architecture": "architecture 'gpt2' is not supported (supported: llama)",
     "tensor_type": "tensor blk.0.attn_v.weight has type IQ4_NL, which is not supported",
     "no_tokenizer": "tokenizer.ggml.tokens is missing",
+    "no_merges": "without tokenizer.ggml.merges",
     "missing_key": "metadata key llama.block_count is missing",
     "rope_freqs": "rope_freqs.weight is not Llama 3 rope scaling",
 }
@@ -706,9 +714,9 @@ def test_bad_input_is_one_line_error(kind, files, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(*args: str, module: str = "convert.gguf_to_hf") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "convert.gguf_to_hf", *args],
+        [sys.executable, "-m", module, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -726,6 +734,16 @@ def test_cli_bad_input_exits_2_with_one_error_line(kind, files, tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and BAD[kind] in lines[0], result.stderr
     assert not out.exists() and not (tmp_path / ".out.partial").exists()
+
+
+@pytest.mark.parametrize("kind", ["truncated", "architecture", "tensor_type", "no_tokenizer"])
+def test_generate_on_a_bad_gguf_exits_2_with_one_error_line(kind, files, tmp_path):
+    """`infer.generate --target FILE.gguf` reads the file itself: the same one-line errors."""
+    path = _bad_file(kind, files("f32")[0], tmp_path)
+    result = _cli("--target", str(path), "--no-spec", "--prompt", "Hi", module="infer.generate")
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and BAD[kind] in lines[0], result.stderr
 
 
 def test_cli_converts_and_refuses_a_non_empty_out(files, tmp_path):

@@ -123,6 +123,12 @@ def _check_llama_file(reader: gguf.GGUFReader, path: Path) -> None:
             f"{path}: no tokenizer in the metadata (tokenizer.ggml.tokens is missing); use a GGUF file "
             "that carries its vocabulary, as llama.cpp's convert_hf_to_gguf.py writes"
         )
+    model = _meta(reader, "tokenizer.ggml.model")
+    if model == "gpt2" and "tokenizer.ggml.merges" not in reader.fields:
+        raise EagleError(
+            f"{path}: incomplete tokenizer in the metadata (a BPE vocabulary without tokenizer.ggml.merges); use a "
+            "GGUF file that carries its whole tokenizer, as llama.cpp's convert_hf_to_gguf.py writes"
+        )
 
 
 def _required(reader: gguf.GGUFReader, path: Path, key: str) -> Any:
