@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 from convdata import (
     chain_conversations,
@@ -121,3 +122,47 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(golden_dir, g
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: {out / 'ckpt'}: no checkpoint can be restored") and "use a new --out" in last
+
+
+def test_a_sealed_checkpoint_with_a_truncated_file_is_skipped_without_being_read(tmp_path, monkeypatch):
+    """The recorded file sizes decide: orbax is never asked to read a checkpoint known to be damaged (its
+    reader threads print tracebacks), and the intact older one is restored."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from eagle_jax.errors import EagleError
+    from eagle_jax.training import checkpoints
+
+    mgr = checkpoints.manager(tmp_path / "ckpt", keep=3)
+    for step in (1, 2):
+        checkpoints.save(mgr, step, {"w": jnp.full((256,), float(step))}, {"step": step})
+    checkpoints.close(mgr)
+    assert all((tmp_path / "ckpt" / str(s) / checkpoints.SIZES_FILE).is_file() for s in (1, 2))
+
+    def truncate(step: int) -> None:
+        files = [
+            p for p in (tmp_path / "ckpt" / str(step)).rglob("*") if p.is_file() and p.name != checkpoints.SIZES_FILE
+        ]
+        biggest = max(files, key=lambda p: p.stat().st_size)
+        biggest.write_bytes(biggest.read_bytes()[:-1])
+
+    truncate(2)
+    asked: list[int] = []
+    real_restore = ocp.CheckpointManager.restore
+    monkeypatch.setattr(
+        ocp.CheckpointManager, "restore", lambda self, step, **kw: asked.append(step) or real_restore(self, step, **kw)
+    )
+    logged: list[str] = []
+    mgr = checkpoints.manager(tmp_path / "ckpt", keep=3)
+    abstract = {
+        "w": jax.ShapeDtypeStruct((256,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    }
+    state, meta = checkpoints.restore_latest(mgr, abstract, logged.append)
+    assert asked == [1] and meta["step"] == 1 and float(state["w"][0]) == 1.0
+    assert "is damaged" in logged[0] and "bytes" in logged[0]
+
+    truncate(1)
+    asked.clear()
+    with pytest.raises(EagleError, match="no checkpoint can be restored"):
+        checkpoints.restore_latest(checkpoints.manager(tmp_path / "ckpt", keep=3), abstract, logged.append)
+    assert asked == []

@@ -3,8 +3,10 @@
 A checkpoint holds the state pytree (trainable parameters, optimiser state) and a JSON `meta`
 item (at least the completed step). Orbax writes each step into a temporary directory and renames it
 when complete, so a process killed at any moment leaves either a whole checkpoint or one that
-`latest_step` ignores (and the next manager removes); a checkpoint damaged later (a truncated file) is
-skipped on restore in favour of the newest intact one that `keep` left.
+`latest_step` ignores (and the next manager removes). Once a save has finished, the sizes of its files
+are sealed into `file_sizes.json` next to it; a checkpoint damaged later (a truncated or missing file after
+a crash or a full disk) is recognised by them without being read, and skipped on restore in favour of the
+newest intact one that `keep` left.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import jax
 import orbax.checkpoint as ocp
 
 from eagle_jax.errors import EagleError
-from eagle_jax.io.files import first_line
+from eagle_jax.io.files import first_line, read_json, write_json_atomic
 
 PyTree = Any
+SIZES_FILE = "file_sizes.json"
 
 
 def manager(directory: str | Path, keep: int) -> ocp.CheckpointManager:
@@ -30,11 +33,57 @@ def manager(directory: str | Path, keep: int) -> ocp.CheckpointManager:
     return ocp.CheckpointManager(Path(directory).absolute(), options=options, item_names=("state", "meta"))
 
 
+def _step_files(step_dir: Path) -> dict[str, int]:
+    """{path relative to the step directory: size in bytes} of the checkpoint's own files."""
+    return {
+        str(p.relative_to(step_dir)): p.stat().st_size
+        for p in sorted(step_dir.rglob("*"))
+        if p.is_file() and SIZES_FILE not in p.name  # nor its temporary
+    }
+
+
+def _seal_finished(mgr: ocp.CheckpointManager) -> None:
+    """Wait for the save in flight, then record the file sizes of every finished checkpoint not yet sealed."""
+    mgr.wait_until_finished()
+    if jax.process_index() != 0:
+        return
+    for step in mgr.all_steps():
+        step_dir = Path(mgr.directory) / str(step)
+        if step_dir.is_dir() and not (step_dir / SIZES_FILE).exists():
+            write_json_atomic(step_dir / SIZES_FILE, _step_files(step_dir))
+
+
+def _damage(step_dir: Path) -> str | None:
+    """Why a sealed checkpoint's files no longer match their recorded sizes, or None (also when unsealed)."""
+    sizes_file = step_dir / SIZES_FILE
+    if not sizes_file.is_file():
+        return None
+    try:
+        recorded = read_json(sizes_file)
+    except EagleError as exc:  # a damaged record is itself damage
+        return first_line(exc)
+    found = _step_files(step_dir)
+    for name, size in recorded.items():
+        if name not in found:
+            return f"{name} is missing"
+        if found[name] != size:
+            return f"{name} has {found[name]} bytes, {size} were written"
+    return None
+
+
 def save(mgr: ocp.CheckpointManager, step: int, state: PyTree, meta: dict) -> None:
-    """Start saving `state` at `step` (asynchronous after the device-to-host copy)."""
+    """Seal the checkpoints already finished, then start saving `state` at `step` (asynchronous after the
+    device-to-host copy; orbax waits for the previous save anyway)."""
+    _seal_finished(mgr)
     mgr.save(
         step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True
     )
+
+
+def close(mgr: ocp.CheckpointManager) -> None:
+    """Finish the save in flight, seal it and release the manager."""
+    _seal_finished(mgr)
+    mgr.close()
 
 
 @contextlib.contextmanager
@@ -61,6 +110,11 @@ def restore_latest(
     directory = Path(mgr.directory)
     damaged: list[tuple[int, str]] = []
     for step in sorted(mgr.all_steps(), reverse=True):
+        why = _damage(directory / str(step))
+        if why is not None:  # known damaged without asking orbax (whose reader threads would print tracebacks)
+            damaged.append((step, why))
+            log(f"warning: checkpoint {directory / str(step)} is damaged ({why}); skipping it")
+            continue
         try:
             with _quiet_loggers("absl", "orbax", "jax"):  # a damaged file is reported below, in one line
                 restored = mgr.restore(

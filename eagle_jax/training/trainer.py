@@ -366,8 +366,7 @@ def train(rc: RunConfig) -> dict:
         if done % rc.save_every == 0 or done == rc.steps:
             checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
     bar.close()
-    mgr.wait_until_finished()
-    mgr.close()
+    checkpoints.close(mgr)
 
     exported = export_head({**state["params"], **maps}, dcfg, tcfg, out)
     png = plot_curves(out) if (out / "metrics.jsonl").is_file() else None
