@@ -304,8 +304,8 @@ def _cycle(
         emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
         commit = jnp.where(running, accept_len + 1, 0)
         out, counts, hit_eos = emit(s.out, s.counts, s.limits, emitted, commit, tcfg)
-    with jax.named_scope("compact"):  # the accepted target entries to contiguous slots
-        tcache = kv_cache.advance(kv_cache.compact(fwd.cache, path), commit)
+    with jax.named_scope("compact"):  # the accepted target entries to contiguous slots (a chain's already are)
+        tcache = kv_cache.advance(fwd.cache if tree.is_chain else kv_cache.compact(fwd.cache, path), commit)
     with jax.named_scope("draft_catch_up"):  # the draft reads the accepted features
         pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
         feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)

@@ -32,7 +32,12 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
 
 
 class _Envelope:
-    """What a tree shape implies for a cycle (needs num_nodes, max_depth and draft_window)."""
+    """What a tree shape implies for a cycle (needs num_nodes, max_depth, draft_window and top_k)."""
+
+    @property
+    def is_chain(self) -> bool:
+        """One node per level (top_k 1): node i sits at depth i, so an accepted path is already in slot order."""
+        return self.top_k == 1
 
     @property
     def path_len(self) -> int:
