@@ -31,6 +31,7 @@ from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
 READY_TIMEOUT_S = 1800
+PNG_TITLE = "eagle-jax load test"  # in the plot's metadata: how a rerun recognises its own PNG
 
 
 def first_turns(path: Path, n: int) -> list[str]:
@@ -172,7 +173,7 @@ def plot(report: dict, path: Path) -> None:
         ax.legend()
     fig.suptitle("eagle-jax server load test")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata={"Title": PNG_TITLE})
     plt.close(fig)
 
 
@@ -196,8 +197,12 @@ def _main(argv: Sequence[str] | None) -> int:
         raise EagleError(f"--concurrency {a.concurrency!r}: expected comma-separated integers, e.g. 1,2,4") from None
     if not levels or min(levels) < 1 or a.requests < 1 or a.max_tokens < 1:
         raise EagleError("--concurrency levels, --requests and --max-tokens must be >= 1")
-    if a.json:
-        files.check_output_file(a.json, "--json")
+    if a.json:  # a new file or this command's earlier report (JSON and the PNG next to it)
+        if Path(a.json).suffix != ".json":
+            raise EagleError(f"--json {a.json}: name a .json file (the .png plot is written next to it)")
+        files.check_output_file(a.json, "--json", [a.questions], files.json_with("settings", "spec"))
+        png = Path(a.json).with_suffix(".png")
+        files.check_output_file(png, "--json", [a.questions], files.holds_bytes(PNG_TITLE.encode()))
     questions = first_turns(Path(a.questions), max(a.requests, max(levels)))
     report: dict = {"settings": {"concurrency": levels, "requests": len(questions), "max_tokens": a.max_tokens}}
     if a.url:
@@ -216,7 +221,7 @@ def _main(argv: Sequence[str] | None) -> int:
     print(render(report))
     if a.json:
         files.write_json_atomic(a.json, report)
-        plot(report, Path(a.json).with_suffix(".png"))
+        plot(report, png)
     return 0
 
 

@@ -249,6 +249,13 @@ def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
         assert 0 < r["ttft_ms_p50"] <= r["ttft_ms_p99"] and r["tpot_ms_p50"] >= 0
     assert out.with_suffix(".png").stat().st_size > 0
     assert "spec" in capsys.readouterr().out
+    assert loadtest.main(args) == 0, "a rerun replaces its own report"
+
+    foreign = tmp_path / "notes.json"
+    foreign.write_text('{"mine": 1}')
+    assert loadtest.main([*args[:-1], str(foreign)]) == 2
+    assert "was not written by this command" in capsys.readouterr().err
+    assert foreign.read_text() == '{"mine": 1}'
 
 
 @pytest.mark.parametrize(
