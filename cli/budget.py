@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,8 +25,7 @@ CALIBRATION_PROMPTS = 4
 CALIBRATION_TOKENS = 64
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLE_JAX_CACHE") or Path.home() / ".cache" / "eagle-jax")
+cache_dir = demo.cache_dir
 
 
 def calibration_prompts(tokenizer, n: int = CALIBRATION_PROMPTS) -> list[list[int]]:

@@ -362,8 +362,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their last tokens")
-    ap.add_argument("--target", default=str(demo.TARGET))
-    ap.add_argument("--draft", default=str(demo.DRAFT))
+    ap.add_argument("--target", default=None, help="default: the demo pair (see `cli.demo`)")
+    ap.add_argument("--draft", default=None, help="default: the demo pair's head")
     ap.add_argument("--chat-template", default=None, help="jinja file, if the tokenizer has no chat template")
     ap.add_argument("--total-tokens", type=int, default=None, help="tree nodes including the root")
     ap.add_argument("--depth", type=int, default=None)
@@ -397,6 +397,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise EagleError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     with command.flag("--budget-batches"):
         args.budget_batches = [int(b) for b in args.budget_batches.split(",") if b.strip()]
+    if args.target is None:
+        target, draft, note = demo.default_pair()
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        args.target, args.draft = str(target), args.draft or str(draft)
+    elif args.draft is None:
+        args.draft = str(demo.DRAFT)
     return args
 
 

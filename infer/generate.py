@@ -14,8 +14,10 @@ tokens per row), `accept_lengths` (per row, per cycle), `cycles`, `new_tokens`, 
 
 `--compare` then times the same prompts twice more after warm-up, speculatively and with the target
 alone (both as one on-device loop, so printing does not count), shows the plain answer and the
-speedup. Without --target and --config the shipped demo pair (demo/target + demo/eagle3) answers a
-sample question (or --prompt) with its tree, in float32, with --warmup and --compare.
+speedup. Without --target and --config the demo pair answers a sample question (or --prompt) with its
+tree, in float32, with --warmup and --compare: SmolLM2-135M-Instruct with its EAGLE-3 head
+(demo/smollm2-eagle3) once `make demo` (`python -m cli.smollm2`) has converted it into the cache, else the
+7.9M pair shipped in demo/target + demo/eagle3 (see `cli.demo`).
 """
 
 from __future__ import annotations
@@ -76,11 +78,15 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 
 
 def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
-    """No --target and no --config: the shipped demo pair, a sample prompt, float32, --warmup --compare."""
+    """No --target and no --config: the demo pair (SmolLM2-135M-Instruct + its head once `make demo` fetched it,
+    else the 7.9M pair; `cli.demo`), a sample prompt, float32, --warmup --compare."""
     if a.target is not None or a.config is not None:
         return a
     a = argparse.Namespace(**vars(a))
-    a.target, a.draft = str(demo.TARGET), a.draft or str(demo.DRAFT)
+    target, draft, note = demo.default_pair()
+    if note:
+        print(note, file=sys.stderr, flush=True)
+    a.target, a.draft = str(target), a.draft or str(draft)
     a.dtype = a.dtype or "fp32"
     if a.prompt is None and a.prompt_file is None and a.prompt_ids is None:
         a.prompt = [demo.PROMPT]

