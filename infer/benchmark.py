@@ -397,10 +397,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise EagleError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
     with command.flag("--budget-batches"):
         args.budget_batches = [int(b) for b in args.budget_batches.split(",") if b.strip()]
+    args.pair_note = None  # which demo pair stands in, said once the flags and outputs are checked
     if args.target is None:
-        target, draft, note = demo.default_pair()
-        if note:
-            print(note, file=sys.stderr, flush=True)
+        target, draft, args.pair_note = demo.default_pair()
         args.target, args.draft = str(target), args.draft or str(draft)
     elif args.draft is None:
         args.draft = str(demo.DRAFT)
@@ -443,6 +442,8 @@ def _main(argv=None) -> int:
     args = parse_args(argv)
     out, md_path, png_path = output_paths(args)
     log = (lambda *a: None) if args.quiet else (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.pair_note:
+        log(args.pair_note)
     report = run_benchmark(args, log)
     files.write_text_atomic(out, json.dumps(report, indent=2) + "\n")
     md = markdown(report)

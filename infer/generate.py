@@ -80,12 +80,10 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
     """No --target and no --config: the demo pair (SmolLM2-135M-Instruct + its head once `make demo` fetched it,
     else the 7.9M pair; `cli.demo`), a sample prompt, float32, --warmup --compare."""
+    a = argparse.Namespace(**vars(a), pair_note=None)  # the note is said once flags and outputs are checked
     if a.target is not None or a.config is not None:
         return a
-    a = argparse.Namespace(**vars(a))
-    target, draft, note = demo.default_pair()
-    if note:
-        print(note, file=sys.stderr, flush=True)
+    target, draft, a.pair_note = demo.default_pair()
     a.target, a.draft = str(target), a.draft or str(draft)
     a.dtype = a.dtype or "fp32"
     if a.prompt is None and a.prompt_file is None and a.prompt_ids is None:
@@ -496,6 +494,8 @@ def _main(argv: Sequence[str] | None) -> int:
     for flag, given in (("--json", a.json), ("--compare", a.compare)):
         if given and ids is None and texts is None:
             raise EagleError(f"{flag} needs a prompt (--prompt, --prompt-file or --prompt-ids)")
+    if a.pair_note:
+        print(a.pair_note, file=sys.stderr, flush=True)
     target_dir, draft_dir = resolve_dirs(a, preset)
     dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else None))
     with command.flag("--mesh") if mesh_text else contextlib.nullcontext():  # names --mesh only when one is given

@@ -537,6 +537,7 @@ BAD_INPUT = {
     },
     "--json a folder": ["--target", TARGET, "--draft", EAGLE3, "--json", "{root}/folder.json"],
     "--json a user's file": ["--target", TARGET, "--draft", EAGLE3, "--json", "{root}/mine.json"],
+    "--json a user's file, no model named (the demo pair's note waits)": ["--json", "{root}/mine.json"],
     "--json the prompt file": [
         "--target",
         TARGET,
