@@ -17,7 +17,7 @@ import argparse
 import contextlib
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -50,7 +50,7 @@ def hint(text: str) -> Iterator[None]:
     try:
         yield
     except EagleError as exc:
-        raise EagleError(f"{exc}; {text}") from None
+        raise EagleError(f"{exc}; {text}", exc.setting) from None
 
 
 def warn(message: str) -> None:
@@ -62,8 +62,23 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
     warn(str(message).splitlines()[0] if str(message).strip() else category.__name__)
 
 
-def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] | None = None) -> int:
-    """Call `main(argv)`; an `EagleError` becomes `error: ...` on stderr and exit code 2.
+def flag_of(setting: str, flags: Mapping[str, str] | None = None) -> str:
+    """The flag that sets a library setting: `flags[setting]`, else `--` + the name with dashes (out -> --out)."""
+    return (flags or {}).get(setting) or "--" + setting.replace("_", "-")
+
+
+def message(exc: EagleError, flags: Mapping[str, str] | None = None) -> str:
+    """An error's line as a command shows it: prefixed by the flag of its setting, when it names one."""
+    return f"{flag_of(exc.setting, flags)}: {exc}" if exc.setting else str(exc)
+
+
+def run(
+    main: Callable[[Sequence[str] | None], int | None],
+    argv: Sequence[str] | None = None,
+    flags: Mapping[str, str] | None = None,
+) -> int:
+    """Call `main(argv)`; an `EagleError` becomes `error: ...` on stderr and exit code 2, naming the flag of the
+    setting it is about (`flag_of`; `flags` maps settings whose flag is not `--` + their name).
 
     Python warnings raised meanwhile (e.g. a clamped token budget) print as one `warning:` line.
     On a multi-host launch (see `eagle_jax.distributed`) JAX's distributed runtime starts first.
@@ -74,7 +89,7 @@ def run(main: Callable[[Sequence[str] | None], int | None], argv: Sequence[str] 
         distributed.maybe_initialize()
         return int(main(argv) or 0)
     except EagleError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print(f"error: {message(exc, flags)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

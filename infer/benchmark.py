@@ -423,11 +423,11 @@ def output_paths(args) -> tuple[Path, Path, Path]:
     inputs = [*args.questions, args.target, args.draft, *([args.chat_template] if args.chat_template else [])]
     paths = (out, out.with_suffix(".md"), out.with_suffix(".png"))
     for path, ours in zip(paths, REPORTS):
-        files.check_output_file(path, "--json", inputs, ours)
+        files.check_output_file(path, "json", inputs, ours)
     if args.save_budget:
         if Path(args.save_budget).absolute() in {p.absolute() for p in paths}:
             raise EagleError(f"--save-budget {args.save_budget}: is also a report path; name another file")
-        files.check_output_file(args.save_budget, "--save-budget", inputs, files.json_with("device", "choices"))
+        files.check_output_file(args.save_budget, "save_budget", inputs, files.json_with("device", "choices"))
     return paths
 
 

@@ -122,7 +122,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise EagleError(f"--{name.replace('_', '-')} must be >= 1")
     if a.json:
         files.check_output_file(
-            a.json, "--json", [p for p in (a.target, a.draft) if p], files.json_with("warm_up_s", "programs", "turns")
+            a.json, "json", [p for p in (a.target, a.draft) if p], files.json_with("warm_up_s", "programs", "turns")
         )
     target_path = Path(a.target or demo.TARGET)
     draft_path = (

@@ -478,7 +478,7 @@ def _main(argv: Sequence[str] | None) -> int:
     s = settings_from_args(a, preset)
     if a.json:
         inputs = [p for p in (a.prompt_file, a.target, a.draft, a.config) if p]
-        files.check_output_file(a.json, "--json", inputs, JSON_REPORT)
+        files.check_output_file(a.json, "json", inputs, JSON_REPORT)
     ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else None
     prompt_file = None
     if a.prompt_file is not None:

@@ -200,9 +200,9 @@ def _main(argv: Sequence[str] | None) -> int:
     if a.json:  # a new file or this command's earlier report (JSON and the PNG next to it)
         if Path(a.json).suffix != ".json":
             raise EagleError(f"--json {a.json}: name a .json file (the .png plot is written next to it)")
-        files.check_output_file(a.json, "--json", [a.questions], files.json_with("settings", "spec"))
+        files.check_output_file(a.json, "json", [a.questions], files.json_with("settings", "spec"))
         png = Path(a.json).with_suffix(".png")
-        files.check_output_file(png, "--json", [a.questions], files.holds_bytes(PNG_TITLE.encode()))
+        files.check_output_file(png, "json", [a.questions], files.holds_bytes(PNG_TITLE.encode()))
     questions = first_turns(Path(a.questions), max(a.requests, max(levels)))
     report: dict = {"settings": {"concurrency": levels, "requests": len(questions), "max_tokens": a.max_tokens}}
     if a.url:

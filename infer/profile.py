@@ -131,7 +131,7 @@ def _main(argv: Sequence[str] | None) -> int:
             raise EagleError(f"--{name.replace('_', '-')} must be >= {1 + (name == 'new_tokens')}")
     if a.json:
         files.check_output_file(
-            a.json, "--json", [p for p in (a.target, a.draft) if p], files.json_with("tree", "span", "prompt_len")
+            a.json, "json", [p for p in (a.target, a.draft) if p], files.json_with("tree", "span", "prompt_len")
         )
     with command.flag("--tree"):
         tree = parse_static(a.tree) if a.tree else DynamicTree(a.total_tokens, a.depth, a.tree_top_k)

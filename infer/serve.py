@@ -106,7 +106,7 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return command.run(_main, argv)
+    return command.run(_main, argv, flags={"capacity": "--max-len"})
 
 
 if __name__ == "__main__":

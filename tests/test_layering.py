@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # library packages, bottom to top; a module imports its own package or lower ranks only
-LIBRARY_RANKS = {"errors": 0, "models": 1, "parallel": 2, "io": 3, "decoding": 3, "training": 4}
+LIBRARY_RANKS = {"errors": 0, "models": 1, "parallel": 2, "io": 3, "decoding": 3, "training": 4, "serving": 4}
 COMMANDS = ("infer", "train", "convert")  # entry points: they may import the library and `cli`
 SHARED_CLI = "cli"
 
@@ -71,3 +71,38 @@ def test_planted_upward_import_is_caught(tmp_path, monkeypatch):
         assert "models/bad.py (models) imports eagle_jax.decoding" in str(exc)
     else:
         raise AssertionError("an upward import went unnoticed")
+
+
+def test_library_errors_name_settings_and_commands_name_flags(capsys):
+    """A library error states the value and names its setting; the command line adds the flag."""
+    from cli import command
+    from eagle_jax.decoding.tree import DynamicTree, check_fits
+    from eagle_jax.errors import EagleError
+
+    try:
+        check_fits(DynamicTree(8, 2, 300), 256)
+    except EagleError as exc:
+        assert exc.setting == "tree_top_k" and "--" not in str(exc), str(exc)
+        shown = exc
+    else:
+        raise AssertionError("a tree wider than the draft vocabulary was accepted")
+
+    def main(argv):
+        raise shown
+
+    assert command.run(main, []) == 2
+    assert capsys.readouterr().err.startswith("error: --tree-top-k: tree top_k=300 exceeds")
+    assert command.run(main, [], flags={"tree_top_k": "--width"}) == 2
+    assert capsys.readouterr().err.startswith("error: --width: ")
+
+
+def test_library_messages_name_no_flags():
+    """No library module writes a command-line flag into an error message."""
+    problems = []
+    for path in sorted((ROOT / "eagle_jax").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                text = ast.unparse(node.exc)
+                if "EagleError" in text and " --" in text.replace("'--'", "").replace('"--"', ""):
+                    problems.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text[:100]}")
+    assert not problems, "\n".join(problems)

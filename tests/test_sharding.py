@@ -313,7 +313,7 @@ def test_plan_configs(tmp_path, golden_dir, monkeypatch):
 def test_plan_tpu_needs_libtpu(capsys, golden_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # as on a machine without the package
     assert plan.main(["--config", str(golden_dir / "target"), "--tpu", "v6e-8"]) == 2
-    assert "--tpu v6e-8 compiles with libtpu, which is not installed" in capsys.readouterr().err
+    assert "--tpu: v6e-8 compiles with libtpu, which is not installed" in capsys.readouterr().err
 
 
 def test_train_cli_plan(capsys, golden_dir):

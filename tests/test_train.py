@@ -291,7 +291,7 @@ TRAIN_BAD_OUT = {
     "a file": ("{o}/file", [], "is a file"),
     "the folder holding the data": ("{o}/data", ["--data", "{o}/data/train.jsonl"], "not a training run"),
     "the data folder's parent as a run": ("{o}/run16", ["--data", "{o}/run16/run.json"], "holds the input"),
-    "resume with fewer --steps": ("{o}/run16", ["--steps", "8"], "--steps 8 is below the 16"),
+    "resume with fewer --steps": ("{o}/run16", ["--steps", "8"], "--steps: 8 is below the 16 steps"),
     "a damaged run.json": ("{o}/bad_json", [], "repair it"),
     "a damaged vocab_map.npz": ("{o}/bad_map", ["--steps", "16"], "remove it to rebuild it"),
 }
@@ -404,7 +404,7 @@ def regen_dir(tmp_path, chain_data) -> Path:
 
 
 REGENERATE_BAD_INPUT = {
-    "--out is --data": (["--out", "{d}/data.jsonl"], "is also an input"),
+    "--out is --data": (["--out", "{d}/data.jsonl"], "--out: "),
     "--out a user's JSONL": (["--out", "{d}/mine.jsonl"], "line 1 is not this command's output"),
     "--out a user's file without a newline": (["--out", "{d}/mine_no_newline.txt"], "neither complete nor the start"),
     "--out with a damaged middle line": (["--out", "{d}/damaged.jsonl"], "line 2 is not this command's output"),

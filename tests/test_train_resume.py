@@ -121,7 +121,8 @@ def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(golden_dir, g
     refused = run_module("train.eagle3", args, env)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     last = refused.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: {out / 'ckpt'}: no checkpoint can be restored") and "use a new --out" in last
+    assert last.startswith(f"error: --out: {out / 'ckpt'}: no checkpoint can be restored")
+    assert "a new run folder" in last
 
 
 def test_a_sealed_checkpoint_with_a_truncated_file_is_skipped_without_being_read(tmp_path, monkeypatch):

@@ -139,7 +139,8 @@ def check_fits(tree: TreeConfig, draft_vocab_size: int) -> None:
     if tree.top_k > draft_vocab_size:
         raise EagleError(
             f"tree top_k={tree.top_k} exceeds the head's draft vocabulary of {draft_vocab_size} tokens; "
-            f"use --tree-top-k {draft_vocab_size} or less"
+            f"use {draft_vocab_size} or less",
+            "tree_top_k",
         )
 
 

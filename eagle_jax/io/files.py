@@ -95,29 +95,30 @@ def _is_input(path: Path, given: str | Path) -> bool:
     return given.exists() and path.exists() and path.samefile(given)
 
 
-def _writable_parent(path: Path, flag: str) -> None:
+def _writable_parent(path: Path, setting: str | None) -> None:
     """Refuse a file whose folder is missing or read-only, or a read-only file."""
     parent = path.absolute().parent
     if not parent.is_dir():
-        raise EagleError(f"{flag} {path}: folder {parent} does not exist; create it first")
+        raise EagleError(f"{path}: folder {parent} does not exist; create it first", setting)
     if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise EagleError(f"{flag} {path}: not writable; choose another path")
+        raise EagleError(f"{path}: not writable; choose another path", setting)
 
 
 def check_output_file(
-    path: str | Path, flag: str, inputs: Iterable[str | Path] = (), ours: Recogniser | None = None
+    path: str | Path, setting: str | None, inputs: Iterable[str | Path] = (), ours: Recogniser | None = None
 ) -> Path:
     """Refuse, before any work, an output file that cannot be written (a folder, a missing or read-only
     parent folder), that is one of the command's inputs, or that exists and is not recognisably this
-    command's earlier output (`ours`; without one, any existing file is refused)."""
+    command's earlier output (`ours`; without one, any existing file is refused). `setting` names the
+    output in the errors (see `EagleError`)."""
     path = Path(path)
     if path.is_dir():
-        raise EagleError(f"{flag} {path}: is a folder; name a file")
-    _writable_parent(path, flag)
+        raise EagleError(f"{path}: is a folder; name a file", setting)
+    _writable_parent(path, setting)
     if any(_is_input(path, given) for given in inputs):
-        raise EagleError(f"{flag} {path}: is also an input; write the output elsewhere")
+        raise EagleError(f"{path}: is also an input; write the output elsewhere", setting)
     if path.exists() and (ours is None or not ours(path)):
-        raise EagleError(f"{flag} {path}: exists and was not written by this command; move it or choose another path")
+        raise EagleError(f"{path}: exists and was not written by this command; move it or choose another path", setting)
     return path
 
 
@@ -149,7 +150,8 @@ def check_output_directory(
         if strangers:
             shown = ", ".join(strangers[:3]) + (" ..." if len(strangers) > 3 else "")
             raise EagleError(
-                f"{out}: holds {shown}, which this command did not write; --overwrite replaces only its own output"
+                f"{out}: holds {shown}, which this command did not write; overwriting replaces only its own output",
+                "overwrite",
             )
     return out
 

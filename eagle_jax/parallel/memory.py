@@ -85,8 +85,9 @@ def tpu_devices(tpu: Tpu) -> list:
         import libtpu  # noqa: F401
     except ImportError:
         raise EagleError(
-            f"--tpu {tpu.name} compiles with libtpu, which is not installed; install the version "
-            "your jax pins (pip install 'jax[tpu]'), or plan on virtual CPU devices without --tpu"
+            f"{tpu.name} compiles with libtpu, which is not installed; install the version "
+            "your jax pins (pip install 'jax[tpu]'), or plan on virtual CPU devices",
+            "tpu",
         ) from None
     jax.config.update("jax_platforms", "cpu")
     # a host without a TPU: tell libtpu not to look for one (else it warns about each missing variable)

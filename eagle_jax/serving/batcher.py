@@ -100,7 +100,7 @@ class Batcher:
     ):
         if capacity > tcfg.rope.max_position_embeddings:
             raise EagleError(
-                f"--max-len {capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it"
+                f"{capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it", "capacity"
             )
         self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
         self.slots, self.capacity, self.chunks, self.max_queue = slots, capacity, tuple(chunks), max_queue

@@ -87,6 +87,19 @@ def close(mgr: ocp.CheckpointManager) -> None:
 
 
 @contextlib.contextmanager
+def opened(directory: str | Path, keep: int) -> Iterator[ocp.CheckpointManager]:
+    """A `manager` released however the block ends (its finished saves sealed when the block ends normally),
+    so none of orbax's threads outlives the run and prints a traceback at exit."""
+    mgr = manager(directory, keep)
+    try:
+        yield mgr
+    except BaseException:
+        mgr.close()
+        raise
+    close(mgr)
+
+
+@contextlib.contextmanager
 def _quiet_loggers(*names: str) -> Iterator[None]:
     """Silence the named loggers below CRITICAL for the block (their tracebacks of a damaged file would bury
     the one-line report)."""
@@ -134,7 +147,8 @@ def restore_latest(
         step, why = damaged[-1]
         raise EagleError(
             f"{directory}: no checkpoint can be restored (the oldest, step {step}: {why[:200]}); remove {directory} "
-            "to restart the run from step 0, or use a new --out"
+            "to restart the run from step 0, or use a new run folder",
+            "out",
         )
     return None
 

@@ -147,19 +147,22 @@ def written_lines(path: Path, idents: list[str]) -> int:
     for n, line in enumerate(lines):
         if n >= len(idents):
             raise EagleError(
-                f"--out {path}: holds {len(lines)} conversations, more than the {len(idents)} that --data and "
-                "--limit select; use the same --data and --limit, or another --out"
+                f"{path}: holds {len(lines)} conversations, more than the {len(idents)} that the data and limit "
+                "select; use the same data and limit, or another output file",
+                "out",
             )
         if not _is_output_for(line, idents[n]):
             raise EagleError(
-                f"--out {path}: line {n + 1} is not this command's output for {idents[n]}; the file is left as "
-                "it is: choose another --out (or repair or remove that line)"
+                f"{path}: line {n + 1} is not this command's output for {idents[n]}; the file is left as "
+                "it is: choose another output file (or repair or remove that line)",
+                "out",
             )
     if tail:
         if len(lines) == len(idents) or not tail.startswith(b'{"id": "'):
             raise EagleError(
-                f"--out {path}: its last line is neither complete nor the start of this command's next line; "
-                "choose another --out"
+                f"{path}: its last line is neither complete nor the start of this command's next line; "
+                "choose another output file",
+                "out",
             )
         os.truncate(path, len(raw) - len(tail))  # the line a crash cut off
     return len(lines)
@@ -171,9 +174,9 @@ def regenerate(rc: RegenerateConfig, mesh: Mesh | None = None) -> dict[str, int]
     Before the target loads, `rc.out` is checked: writable, not an input, and absent or an earlier
     output of this command for the same conversations (which is continued)."""
     if rc.limit is not None and rc.limit < 1:
-        raise EagleError(f"--limit must be >= 1, got {rc.limit}; leave it out to regenerate every conversation")
+        raise EagleError(f"must be >= 1, got {rc.limit}; leave it out to regenerate every conversation", "limit")
     inputs = [*rc.data, rc.target, *([rc.chat_template] if rc.chat_template else [])]
-    out = files.check_output_file(rc.out, "--out", inputs, ours=lambda _: True)  # recognised line by line below
+    out = files.check_output_file(rc.out, "out", inputs, ours=lambda _: True)  # recognised line by line below
     cfg = loading.target_config(rc.target)
     tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
     convs: list[tuple[str, list[dict[str, str]]]] = []

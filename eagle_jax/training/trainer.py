@@ -116,7 +116,7 @@ def check_run_folder(rc: RunConfig) -> Path:
     out = Path(rc.out)
     if out.is_dir() and any(out.iterdir()) and not (out / "run.json").is_file():
         raise EagleError(
-            f"{out}: holds files but no run.json, so it is not a training run; choose a new or empty --out"
+            f"{out}: holds files but no run.json, so it is not a training run; choose a new or empty folder", "out"
         )
     return files.check_output_directory(out, inputs, overwrite=True, owned=None)
 
@@ -130,15 +130,16 @@ def check_resume(rc: RunConfig, out: Path) -> None:
     try:
         saved = files.read_json(path)
     except EagleError as exc:
-        raise EagleError(f"{exc}; repair it (it holds the run's flags) or use a new --out") from None
+        raise EagleError(f"{exc}; repair it (it holds the run's settings) or use a new run folder", "out") from None
     mine = json.loads(json.dumps(dataclasses.asdict(rc)))
     diffs = [(k, saved.get(k), mine[k]) for k in RESUME_KEYS if saved.get(k) != mine[k]]
     if diffs:
         raise RunMismatch(out, diffs)
     if isinstance(saved.get("steps"), int) and rc.steps < saved["steps"]:
         raise EagleError(
-            f"--steps {rc.steps} is below the {saved['steps']} of the run in {out}; a resumed run keeps or raises "
-            "--steps (run.json is left as it is)"
+            f"{rc.steps} is below the {saved['steps']} steps of the run in {out}; a resumed run keeps or raises "
+            "its steps (run.json is left as it is)",
+            "steps",
         )
 
 
@@ -298,75 +299,74 @@ def train(rc: RunConfig) -> dict:
     opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)
     state = {"params": trainable, "opt_state": opt_state}
 
-    mgr = checkpoints.manager(out / "ckpt", rc.keep)
-    start = 0
-    restored = checkpoints.restore_latest(
-        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}), log
-    )
-    if restored is not None:
-        state, meta = restored
-        start = int(meta["step"])
-        log(f"resuming {out} at step {start}")
-    for name in ("metrics.jsonl", "tau.jsonl"):
-        truncate_log(out / name, start)
+    with checkpoints.opened(out / "ckpt", rc.keep) as mgr:
+        start = 0
+        restored = checkpoints.restore_latest(
+            mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}), log
+        )
+        if restored is not None:
+            state, meta = restored
+            start = int(meta["step"])
+            log(f"resuming {out} at step {start}")
+        for name in ("metrics.jsonl", "tau.jsonl"):
+            truncate_log(out / name, start)
 
-    step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype)
-    plan = data.BatchPlan(
-        [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
-    )
-    pad_id = tokenizer.pad_token_id or 0
+        step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype)
+        plan = data.BatchPlan(
+            [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
+        )
+        pad_id = tokenizer.pad_token_id or 0
 
-    def real_tau(step: int) -> None:
-        tau = measure_tau(tparams, tcfg, {**state["params"], **vmap_dev}, dcfg, prompts, rc.tau_max_new_tokens)
-        append_jsonl(out / "tau.jsonl", {"step": step, "tau": tau, "prompts": len(prompts)})
-        bar.write(f"step {step}: engine tau {tau:.3f} on {len(prompts)} held-out prompts")
+        def real_tau(step: int) -> None:
+            tau = measure_tau(tparams, tcfg, {**state["params"], **vmap_dev}, dcfg, prompts, rc.tau_max_new_tokens)
+            append_jsonl(out / "tau.jsonl", {"step": step, "tau": tau, "prompts": len(prompts)})
+            bar.write(f"step {step}: engine tau {tau:.3f} on {len(prompts)} held-out prompts")
 
-    bar = tqdm(total=rc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-    if prompts and start == 0 and rc.tau_every:
-        real_tau(0)
-    last: dict = {}
-    tokens, t0 = 0, time.perf_counter()
-    for step in range(start, rc.steps):
-        micro = []
-        for k in range(rc.grad_accum):
-            rows, length = plan(step * rc.grad_accum + k)
-            batch = data.collate([examples[i] for i in rows], length, pad_id)
-            tokens += batch.real_tokens
-            state["params"], state["opt_state"], m = step_fn(
-                state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh)
-            )
-            micro.append(m)
-        done = step + 1
-        if done % rc.log_every == 0 or done == rc.steps:
-            ms = jax.device_get(micro)
-            elapsed = time.perf_counter() - t0
-            correct = np.sum([m["n_correct"] for m in ms], axis=0)
-            denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
-            acc = (correct / (denom + 1e-6)).tolist()
-            last = {
-                "step": done,
-                "loss": float(np.mean([m["loss"] for m in ms])),
-                "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
-                "acc": acc,
-                "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
-                "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
-                "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(step)),
-                "tokens_per_s": tokens / elapsed,
-            }
-            append_jsonl(out / "metrics.jsonl", last)
-            bar.set_postfix_str(
-                f"loss {last['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in acc)} tau~{last['tau_sim']:.2f} "
-                f"{last['tokens_per_s']:.0f} tok/s",
-                refresh=False,
-            )
-            tokens, t0 = 0, time.perf_counter()
-        bar.update(1)
-        if prompts and rc.tau_every and done % rc.tau_every == 0:
-            real_tau(done)
-        if done % rc.save_every == 0 or done == rc.steps:
-            checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
-    bar.close()
-    checkpoints.close(mgr)
+        bar = tqdm(total=rc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        if prompts and start == 0 and rc.tau_every:
+            real_tau(0)
+        last: dict = {}
+        tokens, t0 = 0, time.perf_counter()
+        for step in range(start, rc.steps):
+            micro = []
+            for k in range(rc.grad_accum):
+                rows, length = plan(step * rc.grad_accum + k)
+                batch = data.collate([examples[i] for i in rows], length, pad_id)
+                tokens += batch.real_tokens
+                state["params"], state["opt_state"], m = step_fn(
+                    state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh)
+                )
+                micro.append(m)
+            done = step + 1
+            if done % rc.log_every == 0 or done == rc.steps:
+                ms = jax.device_get(micro)
+                elapsed = time.perf_counter() - t0
+                correct = np.sum([m["n_correct"] for m in ms], axis=0)
+                denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
+                acc = (correct / (denom + 1e-6)).tolist()
+                last = {
+                    "step": done,
+                    "loss": float(np.mean([m["loss"] for m in ms])),
+                    "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
+                    "acc": acc,
+                    "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+                    "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
+                    "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(step)),
+                    "tokens_per_s": tokens / elapsed,
+                }
+                append_jsonl(out / "metrics.jsonl", last)
+                bar.set_postfix_str(
+                    f"loss {last['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in acc)} tau~{last['tau_sim']:.2f} "
+                    f"{last['tokens_per_s']:.0f} tok/s",
+                    refresh=False,
+                )
+                tokens, t0 = 0, time.perf_counter()
+            bar.update(1)
+            if prompts and rc.tau_every and done % rc.tau_every == 0:
+                real_tau(done)
+            if done % rc.save_every == 0 or done == rc.steps:
+                checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
+        bar.close()
 
     exported = export_head({**state["params"], **maps}, dcfg, tcfg, out)
     png = plot_curves(out) if (out / "metrics.jsonl").is_file() else None
