@@ -1,4 +1,4 @@
-"""A training run killed with SIGKILL and resumed with the same --out continues with the same losses."""
+"""Training and regeneration killed with SIGKILL and rerun with the same --out continue as if never stopped."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from convdata import (
     chain_conversations,
@@ -167,3 +168,39 @@ def test_a_sealed_checkpoint_with_a_truncated_file_is_skipped_without_being_read
     with pytest.raises(EagleError, match="no checkpoint can be restored"):
         checkpoints.restore_latest(checkpoints.manager(tmp_path / "ckpt", keep=3), abstract, logged.append)
     assert asked == []
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_regeneration_killed_at_a_random_point_continues_to_the_same_file(golden_dir, golden_target, tmp_path, seed):
+    """kill -9 somewhere after the first chunk was written (mid-chunk or mid-line), rerun: the file equals an
+    uninterrupted run's, byte for byte."""
+    target = templated_target_dir(golden_dir, tmp_path / "target")
+    convs = write_jsonl(tmp_path / "convs.jsonl", chain_conversations(next_token_table(*golden_target), 160, 8, seed=3))
+    env = cli_env(tmp_path)
+    args = ["--target", target, "--data", convs, "--max-new-tokens", 6, "--batch-size", 1]  # chunks of 8
+    reference = run_module("train.regenerate", [*args, "--out", tmp_path / "ref.jsonl"], env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    out = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.regenerate", *map(str, args), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while not (out.is_file() and out.stat().st_size) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(np.random.default_rng(seed).uniform(0, 0.2))
+    if proc.poll() is not None:
+        pytest.fail(f"regeneration ended (rc {proc.returncode}) before it could be killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = out.read_bytes().count(b"\n")
+    assert 0 < written < 160
+
+    resumed = run_module("train.regenerate", [*args, "--out", out], env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"continuing after {written} conversations" in resumed.stderr
+    assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
