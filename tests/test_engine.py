@@ -193,6 +193,9 @@ def test_bf16_engine_equals_bf16_plain(heads, golden_target, reference):
         target.init_cache(tcfg, 1, len(prompts[0]), jnp.bfloat16),
     )
     assert out.logits.dtype == jnp.float32 and out.hidden.dtype == jnp.bfloat16
+    # accumulated in float32, not bf16 products cast up: finer than bf16's resolution (2^-8 relative)
+    exact = np.asarray(out.hidden, np.float32) @ np.asarray(tparams["lm_head"], np.float32)
+    np.testing.assert_allclose(np.asarray(out.logits), exact, rtol=1e-5, atol=1e-5)
 
 
 def test_eos_and_budget_per_row():

@@ -154,8 +154,8 @@ def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, layer: int, slots,
 def logits(params: dict, c: DraftConfig, out: jax.Array, target_head: jax.Array | None) -> jax.Array:
     """Draft logits [..., Vd] (f32). EAGLE-1 uses the target's lm_head [H, V] without a norm."""
     if c.kind == "eagle3":
-        return linear(rms_norm(out, params["norm"], c.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
-    return linear(out, target_head).astype(jnp.float32)
+        return linear(rms_norm(out, params["norm"], c.rms_norm_eps), params["lm_head"], out_dtype=jnp.float32)
+    return linear(out, target_head, out_dtype=jnp.float32)
 
 
 def to_target_ids(params: dict, c: DraftConfig, draft_ids: jax.Array) -> jax.Array:

@@ -82,9 +82,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
     return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 
-def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ b)."""
-    y = jnp.einsum("...i,io->...o", x, w)
+def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, out_dtype=None) -> jax.Array:
+    """x [..., in] @ w [in, out] (+ b), accumulated and returned in `out_dtype` (default: the operands')."""
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=out_dtype)
     return y if b is None else y + b
 
 

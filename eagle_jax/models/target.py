@@ -148,8 +148,8 @@ def output_head(params: dict, cfg: TargetConfig) -> jax.Array:
 
 
 def lm_logits(params: dict, cfg: TargetConfig, hidden: jax.Array) -> jax.Array:
-    """Logits [..., V] in float32 from final normed hidden states."""
-    return linear(hidden, output_head(params, cfg)).astype(jnp.float32)
+    """Logits [..., V] from final normed hidden states, accumulated in float32 whatever the weights' dtype."""
+    return linear(hidden, output_head(params, cfg), out_dtype=jnp.float32)
 
 
 def forward(
