@@ -366,6 +366,22 @@ def test_chat_keeps_history(golden_target, monkeypatch, capsys):
     assert replies[1].split() == [f"t{t}" for t in plain.generate(params, cfg, [ids], 6).tokens[0]]
 
 
+def test_chat_reads_bytes_that_are_not_utf8(env):
+    """A chat turn of Latin-1 bytes on stdin is read with U+FFFD for the bad byte and answered; the session goes on."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "infer.generate", "--target", TARGET, "--draft", EAGLE3, "--max-new-tokens", "4",
+         "--max-len", "256", "--total-tokens", "5", "--depth", "4", "--tree-top-k", "1"],
+        cwd=ROOT,
+        env=env,
+        input="t5 caf\xe9 t9\nt7\n/exit\n".encode("latin-1"),
+        capture_output=True,
+        timeout=300,
+    )  # fmt: skip
+    err = proc.stderr.decode("utf-8", "replace")
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+    assert len(proc.stdout.decode().strip().splitlines()) == 2  # both turns answered
+
+
 # ---------------------------------------------------------------- presets
 
 
