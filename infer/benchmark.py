@@ -39,7 +39,7 @@ from cli import budget as cli_budget
 from cli import command, demo
 from cli.timing import Runner
 from eagle_jax.decoding import acceptance, budget
-from eagle_jax.decoding.tree import DynamicTree, check_fits
+from eagle_jax.decoding.tree import DynamicTree, check_fits, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
@@ -238,6 +238,7 @@ def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[DynamicT
         calibration,
         batches,
         min(128, args.max_new_tokens),
+        args.budget_candidates,
         log=log,
     )
     if args.save_budget:
@@ -373,6 +374,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--save-budget", default=None, help="--auto-budget: write the measurements as a budget.json")
     ap.add_argument("--budget-batches", default="1,4,8,16", help="--save-budget: batch sizes to measure")
     ap.add_argument(
+        "--budget-candidates",
+        default=None,
+        help="--auto-budget: envelopes to time, e.g. 3/2/1,5/4/1,16/4/4 (default: chains, narrow and wide trees)",
+    )
+    ap.add_argument(
         "--json",
         default=None,
         help="output JSON (default runs/benchmark/<questions>.json); .md and .png are written next to it",
@@ -395,8 +401,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise EagleError(f"--limit must be >= 1, got {args.limit}; leave it out to run every question")
     if args.max_prompt_tokens < 1:
         raise EagleError(f"--max-prompt-tokens must be >= 1, got {args.max_prompt_tokens}")
-    with command.flag("--budget-batches"):
-        args.budget_batches = [int(b) for b in args.budget_batches.split(",") if b.strip()]
+    batches = [b.strip() for b in args.budget_batches.split(",") if b.strip()]
+    if not batches or not all(b.isdigit() and int(b) >= 1 for b in batches):
+        raise EagleError(f"--budget-batches {args.budget_batches!r}: expected batch sizes >= 1, e.g. 1,4,8,16")
+    args.budget_batches = [int(b) for b in batches]
+    with command.flag("--budget-candidates"):
+        args.budget_candidates = parse_envelopes(args.budget_candidates) if args.budget_candidates else None
     args.pair_note = None  # which demo pair stands in, said once the flags and outputs are checked
     if args.target is None:
         target, draft, args.pair_note = demo.default_pair()

@@ -105,7 +105,6 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
         )
     )
     assert [c["question_id"] for c in benchmark.calibration_questions([q], 2)] == [3, 2]  # not the measured ones
-    monkeypatch.setattr(budget, "CANDIDATES", (DynamicTree(8, 2, 3), DynamicTree(4, 3, 1)))
     head = tmp_path / "head"
     shutil.copytree(GOLDEN / "eagle3", head)
     common = [
@@ -135,6 +134,8 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
                 str(head / "budget.json"),
                 "--budget-batches",
                 "1,2",
+                "--budget-candidates",
+                "8/2/3,4/3/1",
                 "--json",
                 str(out),
             ]
@@ -143,7 +144,10 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
     )
     r = json.loads(out.read_text())
     saved = budget.Budget.from_json(json.loads((head / "budget.json").read_text()))
-    assert sorted(saved.measured) == [1, 2] and all(len(ms) == 3 for ms in saved.measured.values())
+    assert sorted(saved.measured) == [1, 2]
+    assert all(
+        [m.tree for m in ms] == [None, DynamicTree(8, 2, 3), DynamicTree(4, 3, 1)] for ms in saved.measured.values()
+    )
     fastest = max(saved.measured[1], key=lambda m: m.tokens_per_s).tree
     assert saved.choices[1] == fastest and r["tree"] == (
         None
@@ -230,6 +234,9 @@ def test_demo_pair_lossless():
 
 BAD_INPUT = {
     "--limit 0": (["--limit", "0"], "--limit must be >= 1"),
+    "--budget-batches x": (["--budget-batches", "1,x"], "--budget-batches '1,x': expected batch sizes >= 1"),
+    "--budget-batches 0": (["--budget-batches", "0"], "expected batch sizes >= 1"),
+    "--budget-candidates bad": (["--budget-candidates", "5/4"], "--budget-candidates: bad tree envelope '5/4'"),
     "--max-prompt-tokens 0": (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be >= 1"),
     "--max-prompt-tokens -5": (["--max-prompt-tokens", "-5"], "--max-prompt-tokens must be >= 1"),
     "--json not .json (the .md would overwrite it)": (["--json", "{tmp}/report.md"], "name a .json file"),
