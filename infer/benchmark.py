@@ -94,9 +94,9 @@ def summarise(records: list[dict], timings: dict[int, dict], max_accept: int) ->
     hist = acceptance.accept_histogram([a for r in records for a in r["spec"]["accept_lengths"]], max_accept)
     tps_spec = spec_tokens / spec_s if spec_s else 0.0
     tps_plain = plain_tokens / plain_s if plain_s else 0.0
-    bad = {r["question_id"] for r in records if r["mismatch"]}
+    bad = {f"{r['file']}:{r['question_id']}" for r in records if r["mismatch"]}  # ids repeat across files
     return {
-        "questions": len({r["question_id"] for r in records}),
+        "questions": len({(r["file"], r["question_id"]) for r in records}),
         "turns": len(records),
         "tau": round(spec_tokens / max(1, cycles), 4),
         "tokens_per_s_spec": round(tps_spec, 2),

@@ -82,3 +82,7 @@ def test_benchmark_summary_by_hand():
     assert s["c"] == round((1.2 / 15) / (2.7 / 38) - 1, 4)
     assert s["accept_histogram"] == [2, 2, 10, 1]
     assert s["n_alpha"] == [round(13 / 15, 4), round(11 / 13, 4), round(1 / 11, 4)]
+    # question ids repeat across files (each set numbers its own): questions and mismatches are per file
+    other = dict(turn(1, 1, 10, [1, 1, 0, 0, 3], 10), file="g", mismatch=True)
+    s = summarise([records[0], other], timings, 3)
+    assert s["questions"] == 2 and s["mismatches"] == 1 and s["mismatched_questions"] == ["g:1"]
