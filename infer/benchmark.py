@@ -265,7 +265,7 @@ def run_benchmark(args, log=print) -> dict:
         check_fits(tree, runner.dcfg.draft_vocab_size)
     runner.set_tree(tree)
     log(f"envelope for batch {args.batch}: {tree if tree else 'plain decoding (no envelope wins here)'}")
-    max_accept = tree.max_depth if tree else 0
+    max_accept = tree.max_accept if tree else 0
     greedy = runner.sampling.greedy
     records: list[dict] = []
     timings: dict[int, dict] = {}

@@ -291,7 +291,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
     """The --json document: the contract fields first, then statistics and settings."""
     r = o.result
     new, cycles = sum(r.new_tokens), sum(r.cycles)
-    max_accept = s.tree.max_depth if s.tree else 0
+    max_accept = s.tree.max_accept if s.tree else 0
     tree = s.tree
     return {
         "output_ids": r.tokens,

@@ -114,3 +114,10 @@ def test_dynamic_tree_against_upstream_rule(envelope):
     built, calls = trees.build_dynamic(envelope, start(roots, envelope.top_k), fake_expand(envelope.top_k), 0)
     assert calls == envelope.depth
     check(envelope, built, roots, reference_dynamic)
+
+
+def test_max_accept_is_bounded_by_the_drafted_nodes():
+    # a chain of two drafts drafts three levels but keeps two nodes: at most 2 tokens are accepted
+    assert DynamicTree(3, 2, 1).max_accept == 2
+    assert DynamicTree(60, 7, 10).max_accept == 8
+    assert StaticTree(((0,), (0, 0), (1,))).max_accept == 2

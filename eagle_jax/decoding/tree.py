@@ -45,6 +45,11 @@ class _Envelope:
         return self.max_depth + 1
 
     @property
+    def max_accept(self) -> int:
+        """Most drafted tokens one cycle can accept: the deepest level, at most the drafted nodes."""
+        return min(self.max_depth, self.num_nodes - 1)
+
+    @property
     def cache_overhead(self) -> int:
         """Cache slots one cycle needs past the committed context."""
         return max(self.num_nodes, self.draft_window, self.path_len)
