@@ -17,6 +17,7 @@ from pathlib import Path
 from cli import demo
 from eagle_jax.decoding import budget
 from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
 BUDGET_FILE = "budget.json"
@@ -63,15 +64,22 @@ def default_tree(
     calibration: list[list[int]],
     recalibrate: bool = False,
     log: Callable[[str], None] = print,
+    measure: bool = True,
 ) -> DynamicTree | None:
     """The envelope for `batch` rows (None: plain decoding wins here), from the head's budget.json, the cache,
-    or measured now on the `calibration` prompts and cached. models: (tcfg, tparams, dcfg, dparams); paths:
-    (target, draft)."""
+    or measured now on the `calibration` prompts and cached (unless not `measure`). models: (tcfg, tparams,
+    dcfg, dparams); paths: (target, draft)."""
     cached = cache_dir() / "budget" / f"{_cache_key(models, paths)}.json"
     for path in () if recalibrate else (Path(paths[1]) / BUDGET_FILE, cached):
         found = _read(path)
         if found is not None and batch in found.choices:
             return found.choices[batch]
+    if not measure:
+        raise EagleError(
+            f"no measured draft-tree envelope for batch {batch} in {Path(paths[1]) / BUDGET_FILE} or {cached}; "
+            f"measure one on a single host (python -m infer.benchmark --auto-budget --save-budget "
+            f"{Path(paths[1]) / BUDGET_FILE} --budget-batches {batch}) or decode plainly"
+        )
     log(f"measuring draft-tree envelopes for batch {batch} on this machine (once; cached in {cached.parent})")
     tcfg, tparams, dcfg, dparams = models
     measured = budget.calibrate(tparams, tcfg, dparams, dcfg, calibration, [batch], CALIBRATION_TOKENS, log=log)

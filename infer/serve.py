@@ -2,15 +2,19 @@
 
     python -m infer.serve [--target DIR --draft DIR | --config PRESET --models DIR] [--host 127.0.0.1]
         [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--no-spec] [--dtype fp32]
+        [--mesh data=D,tensor=T]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
 /metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
 each number of live rows is read from the head's measured budget (or measured here once and cached) and
-every program the engine can run is compiled; the log says which and how long it took.
+every program the engine can run is compiled; the log says which and how long it took. On several hosts
+(a TPU pod slice: every host runs the command, with one --mesh over all chips) process 0 serves HTTP and
+the others decode in step with it (`Batcher.follow`).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,18 +25,37 @@ from cli import budget, command, demo, presets
 from eagle_jax.decoding import budget as budgets
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
-from eagle_jax.parallel import sharding
+from eagle_jax.parallel import distributed, sharding
 from eagle_jax.serving import api, batcher
 
 MEASURED_BATCHES = (1, 4, 8, 16)
 
 
 def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
-    """The measured envelope for each batch size up to max_batch (from the head's budget.json or the cache)."""
+    """The measured envelope for each batch size up to max_batch (from the head's budget.json or the cache, else
+    measured now). On several processes, process 0's saved choices, sent to all (nothing is measured there)."""
     calibration = budget.calibration_prompts(tok)
     sizes = sorted({b for b in MEASURED_BATCHES if b <= max_batch} | {1})
-    choices = {b: budget.default_tree(models, paths, b, calibration, log=log) for b in sizes}
-    return budgets.Budget(budgets.device_kind(), choices)
+    multi_host = distributed.is_multi_host()
+
+    def choose() -> dict:
+        try:
+            trees = {
+                b: budget.default_tree(models, paths, b, calibration, log=log, measure=not multi_host) for b in sizes
+            }
+        except EagleError as exc:
+            if not multi_host:
+                raise
+            return {"error": str(exc)}
+        return budgets.Budget(budgets.device_kind(), trees).to_json()
+
+    if not multi_host:
+        return budgets.Budget.from_json(choose())
+    mine = json.dumps(choose()).encode() if jax.process_index() == 0 else None
+    doc = json.loads(distributed.broadcast(mine))
+    if "error" in doc:
+        raise EagleError(doc["error"])
+    return budgets.Budget.from_json(doc)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -71,6 +94,7 @@ def _main(argv: Sequence[str] | None) -> int:
     mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)
     with command.flag("--mesh"):
         mesh = sharding.make_mesh(mesh_text) if mesh_text else None
+        batcher.check_hosts(mesh)
         tcfg, tparams = loading.load_target(target_dir, dtype, mesh)
         dcfg, dparams = loading.load_draft(draft_dir, tcfg, dtype=tparams["embed"].dtype, mesh=mesh)
     if mesh is None:
@@ -97,6 +121,12 @@ def _main(argv: Sequence[str] | None) -> int:
     log(f"warm-up: {len(names)} programs compiled in {engine.warm_up():.1f} s ({', '.join(names)})")
     for n, tree in sorted(engine.envelope.items()):
         log(f"  {n} live row{'s' if n > 1 else ''}: {tree}")
+    if jax.process_index() > 0:  # a multi-host server answers on process 0; the others decode in step with it
+        log(f"process {jax.process_index()} of {jax.process_count()}: following process 0's engine")
+        engine.follow()
+        st = engine.stats
+        log(f"followed {st.cycles} cycles: {st.row_cycles} row cycles, {st.generated_tokens} tokens")
+        return 0
     import uvicorn
 
     app = api.create_app(engine, tok, target_dir.name, a.max_tokens)

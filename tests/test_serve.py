@@ -3,7 +3,11 @@ speculative rows must answer every request as plain decoding of it alone would."
 
 import concurrent.futures
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +25,8 @@ from eagle_jax.decoding.tree import DynamicTree  # noqa: E402
 from eagle_jax.io import loading  # noqa: E402
 from eagle_jax.serving import api, batcher  # noqa: E402
 
-DEMO = Path(__file__).resolve().parents[1] / "demo"
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "demo"
 SLOTS = 4
 QUESTIONS = [
     "How do I make a cup of tea?",
@@ -40,6 +45,12 @@ def envelope(live: int):
     return {1: DynamicTree(16, 4, 4), 2: DynamicTree(16, 4, 4), 3: DynamicTree(5, 3, 1)}.get(live)
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def served():
     tcfg, tparams = loading.load_target(DEMO / "target", jnp.float32)  # stored in fp16: fp32 as the demo runs
@@ -47,9 +58,7 @@ def served():
     tok = loading.load_tokenizer(DEMO / "target")
     engine = batcher.Batcher(tparams, tcfg, dparams, dcfg, envelope, slots=SLOTS, capacity=256, chunks=(64, 16))
     engine.warm_up()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(api.create_app(engine, tok, "demo"), port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -61,7 +70,7 @@ def served():
 
 
 def client(url):
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 def plain_answer(models, question: str, max_tokens: int) -> str:
@@ -70,14 +79,14 @@ def plain_answer(models, question: str, max_tokens: int) -> str:
     return tok.decode(plain.generate(tparams, tcfg, [ids], max_tokens).tokens[0], skip_special_tokens=True)
 
 
-def ask(url, question: str, max_tokens: int, stream: bool = False, **kw) -> tuple[str, str]:
+def ask(url, question: str, max_tokens: int, stream: bool = False, model: str = "demo", **kw) -> tuple[str, str]:
     messages = [{"role": "user", "content": question}]
     c = client(url)
     if not stream:
-        r = c.chat.completions.create(model="demo", messages=messages, max_tokens=max_tokens, stream=False, **kw)
+        r = c.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=False, **kw)
         return r.choices[0].message.content, r.choices[0].finish_reason
     text, reason = "", None
-    for chunk in c.chat.completions.create(model="demo", messages=messages, max_tokens=max_tokens, stream=True, **kw):
+    for chunk in c.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=True, **kw):
         if chunk.choices:
             text += chunk.choices[0].delta.content or ""
             reason = chunk.choices[0].finish_reason or reason
@@ -296,3 +305,88 @@ def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
         pass
     for prompt, out in zip(prompts, outs):
         assert out == plain.generate(tparams, tcfg, [prompt], 24).tokens[0]
+
+
+def two_hosts(args: list[str], tmp_path: Path) -> tuple[list[subprocess.Popen], list[Path]]:
+    """`infer.serve args` started as a two-process job on this machine (two CPU devices each)."""
+    env = os.environ | {
+        "JAX_PLATFORMS": "cpu",
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+        "NUM_PROCESSES": "2",
+    }
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "infer.serve", *args],
+            env=env | {"PROCESS_ID": str(i)},
+            cwd=ROOT,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        for i, log in enumerate(logs)
+    ]
+    return procs, logs
+
+
+@pytest.mark.parametrize("case", ["no mesh", "no measured budget"])
+def test_two_processes_refuse_what_they_cannot_serve_in_one_line(case, tmp_path):
+    """Both processes stop with the same one-line error (the budget is read on process 0 and sent to all)."""
+    if case == "no mesh":
+        args, expected = ["--max-batch", "2"], "--mesh: a server on 2 processes needs one mesh over all their 4 devices"
+    else:
+        head = tmp_path / "head"
+        head.mkdir()
+        for name in ("config.json", "model.safetensors"):  # the demo head without its budget.json
+            (head / name).write_bytes((DEMO / "eagle3" / name).read_bytes())
+        args, expected = ["--draft", str(head), "--mesh", "data=2,fsdp=2", "--max-batch", "4"], "no measured draft-tree"
+    procs, logs = two_hosts(args, tmp_path)
+    assert [p.wait(timeout=120) for p in procs] == [2, 2]
+    for log in logs:
+        errors = [line for line in log.read_text().splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and errors[0].startswith(f"error: {expected}"), errors
+
+
+def test_two_processes_serve_as_one(served, tmp_path):
+    """`infer.serve` as a two-host job (two processes of two CPU devices, one data=2,fsdp=2 mesh): process 0
+    answers, process 1 decodes in step. Concurrent greedy answers equal plain decoding, a client that goes
+    away frees its slot, a seeded sample equals the one-process server's, and stopping process 0 stops both."""
+    port = free_port()
+    procs, logs = two_hosts(
+        ["--mesh", "data=2,fsdp=2", "--max-batch", "4", "--max-len", "256", "--port", str(port)], tmp_path
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while time.time() < deadline and all(p.poll() is None for p in procs):
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), "\n".join(log.read_text()[-2000:] for log in logs)
+        models = served[2]
+        jobs = [(QUESTIONS[i], 6 + 5 * i, i % 2 == 0) for i in range(6)]
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda job: ask(url, *job, model="target", temperature=0), jobs))
+        for (question, max_tokens, _), (text, _) in zip(jobs, answers):
+            assert text == plain_answer(models, question, max_tokens)
+        body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
+            assert next(r.iter_lines()).startswith("data: ")
+        kw = dict(temperature=0.9, top_p=0.95, seed=11)
+        assert ask(url, QUESTIONS[1], 24, model="target", **kw) == ask(served[0], QUESTIONS[1], 24, **kw)
+        assert httpx.get(f"{url}/health").json()["running_rows"] == 0
+        metrics = dict(line.split() for line in httpx.get(f"{url}/metrics").text.splitlines() if line[0] != "#")
+        procs[0].send_signal(signal.SIGINT)
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+        assert "following process 0's engine" in logs[1].read_text()
+        cycles, row_cycles, tokens = (
+            metrics[f"eagle_jax_{name}"]
+            for name in ("cycle_seconds_count", "accept_length_count", "generated_tokens_total")
+        )
+        assert f"followed {cycles} cycles: {row_cycles} row cycles, {tokens} tokens" in logs[1].read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()

@@ -29,6 +29,7 @@ from eagle_jax.decoding.tree import Tree, TreeConfig
 from eagle_jax.models import draft, kv_cache, target
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.kv_cache import KVCache
+from eagle_jax.parallel import distributed
 
 
 @jax.tree_util.register_dataclass
@@ -252,7 +253,7 @@ def empty_state(tcfg: TargetConfig, dcfg: DraftConfig, batch: int, capacity: int
 
 def host_slots_needed(s: SpecState, tree: TreeConfig) -> np.ndarray:
     """`slots_needed` read on the host."""
-    target_lengths, draft_lengths = jax.device_get((s.target_cache.lengths, s.draft_cache.lengths))
+    target_lengths, draft_lengths = distributed.host_value((s.target_cache.lengths, s.draft_cache.lengths))
     return np.maximum(target_lengths, draft_lengths) + tree.cache_overhead
 
 

@@ -21,8 +21,11 @@ import os
 from collections.abc import Mapping
 
 import jax
+import numpy as np
 
 from eagle_jax.errors import EagleError
+
+MIN_MESSAGE = 256  # bytes: messages are padded to powers of two from here (one compiled broadcast per size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,3 +98,41 @@ def maybe_initialize(env: Mapping[str, str] | None = None) -> str | None:
         return None
     jax.distributed.initialize(**launch.kwargs)
     return launch.reason
+
+
+def is_multi_host() -> bool:
+    return jax.process_count() > 1
+
+
+def host_value(tree):
+    """A pytree of arrays read whole on this host (numpy), also where they are split over several hosts'
+    devices: then every process must call it at the same point, for it gathers."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def message_size(size: int) -> int:
+    """Bytes a message of `size` bytes is sent as."""
+    return max(MIN_MESSAGE, 1 << max(0, size - 1).bit_length())
+
+
+def broadcast(message: bytes | None) -> bytes | None:
+    """Process 0's `message` on every process (None: it has no more to say), over the devices' collectives.
+
+    Every process calls it at the same point; the argument is read on process 0 only. A message goes as a
+    fixed header then its bytes padded to `message_size`, so each size compiles one small program.
+    """
+    from jax.experimental import multihost_utils
+
+    source = jax.process_index() == 0
+    header = np.asarray([message is not None, len(message or b"")] if source else [0, 0], np.int32)
+    present, size = (int(v) for v in multihost_utils.broadcast_one_to_all(header))
+    if not present:
+        return None
+    body = np.zeros(message_size(size), np.uint8)
+    if source:
+        body[:size] = np.frombuffer(message, np.uint8)
+    return multihost_utils.broadcast_one_to_all(body)[:size].tobytes()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,7 @@ from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import NoDraft, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.models.config import DraftConfig, TargetConfig
-from eagle_jax.parallel import sharding
+from eagle_jax.parallel import distributed, sharding
 
 STATIC_SAMPLING = SamplingConfig()  # unused by rows with controls; one value keeps one program per shape
 
@@ -75,10 +76,59 @@ class Stats:
     accept_histogram: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
+@dataclasses.dataclass(frozen=True)
+class Admission:
+    slot: int
+    request: Request
+
+
+def _ignore(*_) -> None:
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What the engine does before a cycle: rows to cancel, requests to admit. Process 0 decides; on a
+    multi-host server every process carries it out, so it travels as bytes (callbacks stay with process 0)."""
+
+    cancel: tuple[int, ...] = ()
+    admit: tuple[Admission, ...] = ()
+
+    def to_bytes(self) -> bytes:
+        admit = [
+            [a.slot, a.request.prompt, a.request.max_tokens, dataclasses.asdict(a.request.sampling), a.request.seed]
+            for a in self.admit
+        ]
+        return json.dumps({"cancel": self.cancel, "admit": admit}, separators=(",", ":")).encode()
+
+    @staticmethod
+    def from_bytes(message: bytes) -> Plan:
+        doc = json.loads(message)
+        admit = (
+            Admission(slot, Request(list(prompt), max_tokens, SamplingConfig(**sampling), seed, _ignore, _ignore))
+            for slot, prompt, max_tokens, sampling, seed in doc["admit"]
+        )
+        return Plan(tuple(doc["cancel"]), tuple(admit))
+
+    @staticmethod
+    def max_bytes(slots: int, capacity: int) -> int:
+        """A bound on `to_bytes` of any plan (every slot admitting a prompt as long as the cache, ids < 10^7)."""
+        return slots * (capacity * 8 + 256) + 64
+
+
 @functools.partial(jax.jit, donate_argnames=("state",))
 def retire(state: speculative.SpecState, rows: jax.Array) -> speculative.SpecState:
     """Mark rows [B] bool as done (their slots become free)."""
     return dataclasses.replace(state, done=state.done | rows)
+
+
+def check_hosts(mesh: Mesh | None) -> None:
+    """A server on several processes decodes on one mesh over all their devices."""
+    if distributed.is_multi_host() and mesh is None:
+        n, d = jax.process_count(), jax.device_count()
+        raise EagleError(
+            f"a server on {n} processes needs one mesh over all their {d} devices (sizes multiplying to {d})", "mesh"
+        )
 
 
 class Batcher:
@@ -107,14 +157,19 @@ class Batcher:
         live = range(1, slots + 1)
         self.envelope = {n: (envelopes(n) or NoDraft()) if speculate else NoDraft() for n in live}
         self.overhead = max(t.cache_overhead for t in self.envelope.values())
+        check_hosts(mesh)
+        self.multi_host = distributed.is_multi_host()
         dtype = tparams["embed"].dtype
-        self.state = dataclasses.replace(
-            speculative.empty_state(tcfg, dcfg, slots, capacity, dtype),
-            controls=RowControls.of([STATIC_SAMPLING] * slots, [0] * slots),
-        )
-        if mesh is not None:  # parameters are placed by their loader; the rows' state splits over data too
+
+        def empty() -> speculative.SpecState:
+            state = speculative.empty_state(tcfg, dcfg, slots, capacity, dtype)
+            return dataclasses.replace(state, controls=RowControls.of([STATIC_SAMPLING] * slots, [0] * slots))
+
+        if mesh is None:
+            self.state = empty()
+        else:  # parameters are placed by their loader; the rows' state splits over data too (made in place)
             sharding.check_mesh(mesh, tcfg, dcfg, slots)
-            self.state = jax.device_put(self.state, programs.spec_state_shardings(tcfg, dcfg, mesh, per_row=True))
+            self.state = jax.jit(empty, out_shardings=programs.spec_state_shardings(tcfg, dcfg, mesh, per_row=True))()
         self.rows: list[Request | None] = [None] * slots
         self.shown = np.zeros(slots, np.int64)  # tokens already handed to each row's request
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # what each slot's caches hold
@@ -161,7 +216,15 @@ class Batcher:
     def programs(self) -> list[str]:
         trees = sorted({str(t) for t in self.envelope.values()})
         spans = schedule.all_spans(self.capacity)
-        return [f"extend {c}" for c in self.chunks] + [f"cycle {t} span {s}" for t in trees for s in spans] + ["retire"]
+        names = [f"extend {c}" for c in self.chunks] + [f"cycle {t} span {s}" for t in trees for s in spans]
+        return names + ["retire"] + [f"broadcast {n} bytes" for n in self._message_sizes()]
+
+    def _message_sizes(self) -> list[int]:
+        """The sizes plans travel as between the processes of a multi-host server (none on one)."""
+        if not self.multi_host:
+            return []
+        largest = distributed.message_size(Plan.max_bytes(self.slots, self.capacity))
+        return [n for n in (distributed.MIN_MESSAGE << k for k in range(64)) if n <= largest]
 
     def warm_up(self) -> float:
         """Compile every program the loop can run, by running each once on idle rows; returns the seconds."""
@@ -170,11 +233,13 @@ class Batcher:
         for size in self.chunks:
             piece = session.Piece(0, np.ones(size, np.int32), np.ones(size, np.int32), size, True)
             self._feed(0, piece, 1, RowControls.of([STATIC_SAMPLING] * self.slots, [0] * self.slots))
-        for tree in set(self.envelope.values()):
+        for tree in dict.fromkeys(self.envelope.values()):  # in one order on every process
             for span in schedule.all_spans(self.capacity):
                 self.state = self._cycle(tree, span)
         self.state = retire(self.state, rows)
-        jax.block_until_ready(self.state)
+        self._outputs()
+        for size in self._message_sizes():
+            distributed.broadcast(bytes(size))
         self.cached = [[] for _ in range(self.slots)]
         return time.perf_counter() - t0
 
@@ -241,20 +306,31 @@ class Batcher:
         self.stats.finished += 1
         req.on_finish(reason)
 
-    def step(self) -> bool:
-        """Admit what fits, run one cycle, hand out tokens. Returns False when there was nothing to do."""
-        cancelled = np.array([r is not None and r.cancelled for r in self.rows])
-        if cancelled.any():
-            self.state = retire(self.state, cancelled)
-            for slot in np.flatnonzero(cancelled):
-                self._finish(int(slot), "cancelled")
-        while self.queue and self.live < self.slots:
+    def plan(self) -> Plan:
+        """Decide what happens before the next cycle: cancelled rows go, waiting requests take the free slots
+        (each the one whose caches share most with its prompt). Host-only: the queue and the rows."""
+        cancel = tuple(s for s, r in enumerate(self.rows) if r is not None and r.cancelled)
+        free = [s for s, r in enumerate(self.rows) if r is None or s in cancel]
+        admit = []
+        while self.queue and free:
             with self.wake:
                 req = self.queue.popleft()
             if req.cancelled:
                 req.on_finish("cancelled")
                 continue
-            self._admit(req, self._free_slot(req.prompt))
+            slot = max(free, key=lambda s: session.common_prefix(self.cached[s], req.prompt))
+            free.remove(slot)
+            admit.append(Admission(slot, req))
+        return Plan(cancel, tuple(admit))
+
+    def apply(self, plan: Plan) -> bool:
+        """Carry out a plan, run one cycle, hand out tokens. Returns False when no row was running."""
+        if plan.cancel:
+            self.state = retire(self.state, np.isin(np.arange(self.slots), plan.cancel))
+            for slot in plan.cancel:
+                self._finish(slot, "cancelled")
+        for a in plan.admit:
+            self._admit(a.request, a.slot)
         live = [s for s, r in enumerate(self.rows) if r is not None]
         if not live:
             return False
@@ -263,7 +339,7 @@ class Batcher:
         span = schedule.attention_span(int(needed[live].max()), self.capacity)
         t0 = time.perf_counter()
         self.state = self._cycle(tree, span)
-        counts, done, eos, out = jax.device_get((self.state.counts, self.state.done, self.state.eos, self.state.out))
+        counts, done, eos, out = self._outputs()
         self.stats.cycle_seconds += time.perf_counter() - t0
         self.stats.cycles += 1
         for slot in live:
@@ -280,13 +356,32 @@ class Batcher:
                 self._finish(slot, "stop" if eos[slot] else "length")
         return True
 
+    def _outputs(self) -> tuple[np.ndarray, ...]:
+        s = self.state
+        return distributed.host_value((s.counts, s.done, s.eos, s.out))
+
+    def step(self) -> bool:
+        """Plan, carry it out (every process of a multi-host server does: process 0 sends it), one cycle."""
+        plan = self.plan()
+        if self.multi_host:
+            distributed.broadcast(plan.to_bytes())
+        return self.apply(plan)
+
+    def follow(self) -> None:
+        """A multi-host server's processes but the first: carry out process 0's plans until it stops."""
+        while (message := distributed.broadcast(None)) is not None:
+            self.apply(Plan.from_bytes(message))
+
     def run(self) -> None:
-        """The engine loop (runs until `stop`)."""
+        """The engine loop (runs until `stop`; idle, it steps every half second, which keeps a multi-host
+        server's other processes listening)."""
         while self.running:
             if not self.step():
                 with self.wake:
                     if self.running and not self.queue:
                         self.wake.wait(timeout=0.5)
+        if self.multi_host:
+            distributed.broadcast(None)  # the other processes stop following
 
     def start(self) -> None:
         self.running = True
