@@ -1,24 +1,27 @@
 """Where a speculative cycle spends its time, next to a plain decode step, on the machine at hand.
 
     python -m infer.profile [--target DIR --draft DIR] [--total-tokens 60 --depth 7 --tree-top-k 10 | --tree T]
-        [--batch 1] [--prompt-len 64] [--new-tokens 128] [--dtype fp32] [--json OUT]
+        [--batch 1] [--prompt-len 64] [--new-tokens 128] [--widths 1,2,4,8,16,32,64] [--dtype fp32] [--json OUT]
 
 Both decoders run the same random prompts (B rows) after warm-up, as the jitted loops generation uses,
 over one attention span. Prints the plain step time, the cycle time, c = cycle / plain step - 1, tau
 and the speedup tau / (1 + c) decoding alone would give; the cycle split into its phases (draft levels,
 rerank, tree mask, verify, sample, accept, compact, draft catch-up) from one profiled run, as time per
-cycle (scaled to the untraced cycle) and share; and an op census of both compiled loops. Without
---target, the demo pair.
+cycle (scaled to the untraced cycle) and share; an op census of both compiled loops; and what one
+target forward over T tokens costs against one token (--widths), which bounds what verifying a tree of T
+nodes can cost. Without --target, the demo pair.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from cli import command, demo
@@ -27,6 +30,7 @@ from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
+from eagle_jax.models import kv_cache, target
 
 SAMPLING = SamplingConfig()
 
@@ -42,7 +46,46 @@ def _best(run, repeats: int) -> float:
     return min(times)
 
 
-def profile(models, tree: TreeConfig, batch: int, prompt_len: int, new_tokens: int, repeats: int = 5) -> dict:
+FORWARDS_PER_RUN = 10
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "width", "span"), donate_argnames=("cache",))
+def _forwards(tparams, cache, *, tcfg, width: int, span: int) -> tuple[kv_cache.KVCache, jax.Array]:
+    """FORWARDS_PER_RUN target forwards over `width` tokens each, one cache slot further each time; the logits
+    feed the result, so none of the work is left out."""
+
+    def one(_, carry):
+        cache, total = carry
+        tokens = jnp.broadcast_to(jnp.arange(3, 3 + width, dtype=jnp.int32), (cache.batch, width))
+        positions = cache.lengths[:, None] + jnp.arange(width)[None, :]
+        out = target.forward(tparams, tcfg, tokens, positions, cache, span=span)
+        return kv_cache.advance(out.cache, jnp.ones_like(cache.lengths)), total + jnp.sum(out.logits[..., :8])
+
+    return jax.lax.fori_loop(0, FORWARDS_PER_RUN, one, (cache, jnp.float32(0)))
+
+
+def forward_ms(tparams, tcfg, width: int, batch: int, context: int, span: int, repeats: int = 5) -> float:
+    """Milliseconds of one target forward over `width` tokens per row (logits included) after `context` cached
+    tokens, attending over `span` slots."""
+
+    def fresh():
+        cache = target.init_cache(tcfg, batch, span + width + FORWARDS_PER_RUN, tparams["embed"].dtype)
+        return jax.block_until_ready(kv_cache.set_lengths(cache, jnp.full((batch,), context)))
+
+    caches = [fresh() for _ in range(repeats + 1)]
+    seconds = _best(lambda: _forwards(tparams, caches.pop(), tcfg=tcfg, width=width, span=span), repeats)
+    return 1000 * seconds / FORWARDS_PER_RUN
+
+
+def profile(
+    models,
+    tree: TreeConfig,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    widths: Sequence[int] = (),
+    repeats: int = 5,
+) -> dict:
     tcfg, tparams, dcfg, dparams = models
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, tcfg.vocab_size, (batch, prompt_len)).tolist()
@@ -91,6 +134,7 @@ def profile(models, tree: TreeConfig, batch: int, prompt_len: int, new_tokens: i
         "phases_ms": {name: 1000 * traced.get(name, 0.0) * scale / cycles for name in (*profiling.PHASES, "other")},
         "cycle_ops": profiling.op_census(spec_compiled),
         "plain_step_ops": profiling.op_census(plain_compiled),
+        "forward_ms_by_width": {w: forward_ms(tparams, tcfg, w, batch, prompt_len, span, repeats) for w in widths},
     }
 
 
@@ -106,10 +150,26 @@ def render(r: dict) -> str:
     total = sum(r["phases_ms"].values())
     for name, ms in r["phases_ms"].items():
         lines.append(f"{name:15s} {ms:9.3f} {100 * ms / total:6.1f}%  {ms / r['plain_step_ms']:6.2f}")
+    if r["forward_ms_by_width"]:
+        one = r["forward_ms_by_width"].get(1)
+        lines += ["", "target forward over T tokens per row" + (" (x one token)" if one else "")]
+        for width, ms in r["forward_ms_by_width"].items():
+            lines.append(f"  T {width:4d}: {ms:8.3f} ms" + (f"  {ms / one:5.2f}x" if one else ""))
     for what in ("cycle_ops", "plain_step_ops"):
         ops = r[what]
         lines += ["", f"{what.replace('_', ' ')}: {sum(ops.values())} ops"] + [f"  {k}: {v}" for k, v in ops.items()]
     return "\n".join(lines)
+
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    """'1,2,4' -> (1, 2, 4); '' -> ()."""
+    try:
+        widths = tuple(int(w) for w in text.split(",") if w.strip())
+    except ValueError:
+        raise EagleError(f"{text!r} is not a comma-separated list of token counts") from None
+    if any(w < 1 for w in widths):
+        raise EagleError(f"{text!r}: every width must be >= 1")
+    return widths
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -123,12 +183,15 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--widths", default="1,2,4,8,16,32,64", help="forward widths to time ('' for none)")
     p.add_argument("--dtype", choices=tuple(command.DTYPES), default="fp32")
     p.add_argument("--json", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     for name in ("batch", "prompt_len", "new_tokens"):
         if getattr(a, name) < 1 + (name == "new_tokens"):
             raise EagleError(f"--{name.replace('_', '-')} must be >= {1 + (name == 'new_tokens')}")
+    with command.flag("--widths"):
+        widths = parse_widths(a.widths)
     if a.json:
         files.check_output_file(
             a.json, "json", [p for p in (a.target, a.draft) if p], files.json_with("tree", "span", "prompt_len")
@@ -141,7 +204,12 @@ def _main(argv: Sequence[str] | None) -> int:
     tcfg, tparams = loading.load_target(target_path, dtype)
     dcfg, dparams = loading.load_draft(draft_path, tcfg, dtype=dtype)
     report = profile(
-        (tcfg, jax.device_put(tparams), dcfg, jax.device_put(dparams)), tree, a.batch, a.prompt_len, a.new_tokens
+        (tcfg, jax.device_put(tparams), dcfg, jax.device_put(dparams)),
+        tree,
+        a.batch,
+        a.prompt_len,
+        a.new_tokens,
+        widths,
     )
     print(render(report))
     if a.json:

@@ -307,3 +307,21 @@ def test_an_unwritable_report_folder_is_refused_before_any_work(tmp_path, monkey
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "not writable" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q.jsonl"]
+
+
+def test_profile_names_where_the_cycle_spends_its_time(tmp_path, capsys):
+    """infer.profile on the demo pair: the traced ops land in the named phases (not in 'other'), the census
+    counts ops, and forward widths are timed."""
+    from infer import profile
+
+    out = tmp_path / "profile.json"
+    args = ["--total-tokens", "8", "--depth", "3", "--tree-top-k", "2", "--prompt-len", "16", "--new-tokens", "12"]
+    assert profile.main([*args, "--widths", "1,4", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    phases = r["phases_ms"]
+    assert sum(phases.values()) == pytest.approx(r["cycle_ms"], rel=1e-6)
+    assert all(phases[name] > 0 for name in ("draft_levels", "verify", "draft_catch_up"))
+    assert phases["other"] < 0.2 * r["cycle_ms"], phases
+    assert sum(r["cycle_ops"].values()) > 0 and r["plain_step_ops"]["dot"] > 0
+    assert set(r["forward_ms_by_width"]) == {"1", "4"} and min(r["forward_ms_by_width"].values()) > 0
+    assert "target forward over T tokens per row (x one token)" in capsys.readouterr().out

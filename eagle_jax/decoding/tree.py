@@ -87,6 +87,12 @@ class DynamicTree(_Envelope):
         """Uncommitted draft-cache slots one tree build writes."""
         return self.depth * self.top_k
 
+    @property
+    def expansions(self) -> int:
+        """Draft passes a build runs: `depth`, but no level deeper than total_tokens - 1 can be kept (a kept
+        node's ancestors score at least as high and are recorded first), so a chain N+1 / N / 1 stops at N - 1."""
+        return min(self.depth, self.total_tokens - 2)
+
 
 @dataclasses.dataclass(frozen=True)
 class StaticTree(_Envelope):
@@ -202,10 +208,10 @@ def _finish(tokens: jax.Array, parents: jax.Array, max_depth: int) -> Tree:
 
 
 def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
-    """EAGLE-2 tree (upstream `topK_genrate`): expand the top_k best frontier nodes `depth` times,
+    """EAGLE-2 tree (upstream `topK_genrate`): expand the top_k best frontier nodes `depth` times (`expansions`),
     then keep the best total_tokens - 1 of all candidates in recorded order. Returns (tree, state)."""
     root, root_ids, root_hidden = start.root, start.ids, start.hidden
-    b, k, depth = root.shape[0], tree.top_k, tree.depth
+    b, k = root.shape[0], tree.top_k
     w = tree.draft_window
     rows = jnp.arange(b)[:, None]
     # level 1
@@ -237,7 +243,7 @@ def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) 
 
     init = (state, frontier_tokens, frontier_scores, frontier_hidden, frontier_flat, frontier_mask)
     with jax.named_scope("draft_levels"):
-        (state, *_), (tok_l, score_l, parent_l) = jax.lax.scan(step, init, jnp.arange(depth))
+        (state, *_), (tok_l, score_l, parent_l) = jax.lax.scan(step, init, jnp.arange(tree.expansions))
     with jax.named_scope("rerank"):
         tokens, parents = _rerank(tree, root, root_ids, start.logp, tok_l, score_l, parent_l)
     return _finish(tokens, parents, tree.max_depth), state
