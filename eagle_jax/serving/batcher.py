@@ -371,6 +371,7 @@ class Batcher:
         """A multi-host server's processes but the first: carry out process 0's plans until it stops."""
         while (message := distributed.broadcast(None)) is not None:
             self.apply(Plan.from_bytes(message))
+        jax.distributed.shutdown()  # together with process 0's engine
 
     def run(self) -> None:
         """The engine loop (runs until `stop`; idle, it steps every half second, which keeps a multi-host
@@ -382,6 +383,7 @@ class Batcher:
                         self.wake.wait(timeout=0.5)
         if self.multi_host:
             distributed.broadcast(None)  # the other processes stop following
+            jax.distributed.shutdown()  # with theirs (a barrier): whatever ends this process next, they exit cleanly
 
     def start(self) -> None:
         self.running = True
