@@ -36,23 +36,18 @@ def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
     measured now). On several processes, process 0's saved choices, sent to all (nothing is measured there)."""
     calibration = budget.calibration_prompts(tok)
     sizes = sorted({b for b in MEASURED_BATCHES if b <= max_batch} | {1})
-    multi_host = distributed.is_multi_host()
-
-    def choose() -> dict:
+    if not distributed.is_multi_host():
+        return budgets.Budget(
+            budgets.device_kind(), {b: budget.default_tree(models, paths, b, calibration, log=log) for b in sizes}
+        )
+    mine = None
+    if jax.process_index() == 0:
         try:
-            trees = {
-                b: budget.default_tree(models, paths, b, calibration, log=log, measure=not multi_host) for b in sizes
-            }
-        except EagleError as exc:
-            if not multi_host:
-                raise
-            return {"error": str(exc)}
-        return budgets.Budget(budgets.device_kind(), trees).to_json()
-
-    if not multi_host:
-        return budgets.Budget.from_json(choose())
-    mine = json.dumps(choose()).encode() if jax.process_index() == 0 else None
-    doc = json.loads(distributed.broadcast(mine))
+            trees = {b: budget.default_tree(models, paths, b, calibration, log=log, measure=False) for b in sizes}
+            mine = budgets.Budget(budgets.device_kind(), trees).to_json()
+        except EagleError as exc:  # every process stops with it
+            mine = {"error": str(exc)}
+    doc = json.loads(distributed.broadcast(None if mine is None else json.dumps(mine).encode()))
     if "error" in doc:
         raise EagleError(doc["error"])
     return budgets.Budget.from_json(doc)

@@ -123,15 +123,15 @@ def broadcast(message: bytes | None) -> bytes | None:
     """Process 0's `message` on every process (None: it has no more to say), over the devices' collectives.
 
     Every process calls it at the same point; the argument is read on process 0 only. A message goes as a
-    fixed header then its bytes padded to `message_size`, so each size compiles one small program.
+    fixed header then (unless empty) its bytes padded to `message_size`, so each size compiles one small program.
     """
     from jax.experimental import multihost_utils
 
     source = jax.process_index() == 0
     header = np.asarray([message is not None, len(message or b"")] if source else [0, 0], np.int32)
     present, size = (int(v) for v in multihost_utils.broadcast_one_to_all(header))
-    if not present:
-        return None
+    if not present or not size:
+        return b"" if present else None
     body = np.zeros(message_size(size), np.uint8)
     if source:
         body[:size] = np.frombuffer(message, np.uint8)

@@ -95,6 +95,9 @@ class Plan:
     admit: tuple[Admission, ...] = ()
 
     def to_bytes(self) -> bytes:
+        """The plan as JSON; the usual plan, nothing to do but the cycle, as no bytes at all."""
+        if not self.cancel and not self.admit:
+            return b""
         admit = [
             [a.slot, a.request.prompt, a.request.max_tokens, dataclasses.asdict(a.request.sampling), a.request.seed]
             for a in self.admit
@@ -103,6 +106,8 @@ class Plan:
 
     @staticmethod
     def from_bytes(message: bytes) -> Plan:
+        if not message:
+            return Plan()
         doc = json.loads(message)
         admit = (
             Admission(slot, Request(list(prompt), max_tokens, SamplingConfig(**sampling), seed, _ignore, _ignore))
@@ -224,7 +229,7 @@ class Batcher:
         if not self.multi_host:
             return []
         largest = distributed.message_size(Plan.max_bytes(self.slots, self.capacity))
-        return [n for n in (distributed.MIN_MESSAGE << k for k in range(64)) if n <= largest]
+        return [distributed.MIN_MESSAGE << k for k in range((largest // distributed.MIN_MESSAGE).bit_length())]
 
     def warm_up(self) -> float:
         """Compile every program the loop can run, by running each once on idle rows; returns the seconds."""
