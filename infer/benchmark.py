@@ -19,7 +19,7 @@ speculative output differs from the plain one). Writes JSON (--json, default
 runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
 
 Without a tree the envelope is the one measured fastest on this machine for the batch size (the head's
-budget.json or a cached measurement, see `cli.budget`; plain decoding when none wins). --auto-budget
+budget.json or a cached measurement, see `cli.budget`; plain decoding unless one wins by 5%). --auto-budget
 measures plain decoding and eleven envelopes (chains of 2-7 drafts, narrow and wide trees up to
 60 / 7 / 10) here, on calibration questions from the ends of the files, and uses the fastest;
 --save-budget writes those measurements for --budget-batches as a budget.json.

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from eagle_jax.decoding import cost
+from eagle_jax.decoding import budget, cost
 from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
 from infer import cost_table, tpu_estimate
@@ -33,6 +33,27 @@ def test_estimate_row_by_hand():
     assert row["speedup"] == {"3": 1.0, "6": 2.0}
     assert row["floor_c"] == 5.0 and row["floor_speedup"]["6"] == 1.0
     assert row["cycle_bound"] == "compute"
+
+
+def test_budget_choice_by_hand():
+    """The fastest envelope wins only by budget.MARGIN over plain decoding; a closer one leaves plain decoding."""
+    chain, tree = DynamicTree(3, 2, 1), DynamicTree(16, 4, 4)
+
+    def measured(plain: float, chain_rate: float, tree_rate: float) -> list[budget.Measured]:
+        return [
+            budget.Measured(None, 1.0, plain),
+            budget.Measured(chain, 2.0, chain_rate),
+            budget.Measured(tree, 3.0, tree_rate),
+        ]
+
+    assert budget.MARGIN == 0.05
+    assert budget.choose(measured(100, 120, 110)) == chain
+    assert budget.choose(measured(100, 104, 110)) == tree
+    assert budget.choose(measured(100, 105, 90)) == chain  # exactly the margin
+    assert budget.choose(measured(100, 104.9, 90)) is None  # faster, but within the margin
+    assert budget.choose(measured(100, 80, 90)) is None
+    assert budget.choose(measured(100, 104, 90), margin=0.0) == chain
+    assert budget.choose([budget.Measured(None, 1.0, 100)]) is None
 
 
 def test_parsers():

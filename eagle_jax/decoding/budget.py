@@ -5,8 +5,9 @@ verification width once the target is compute-bound (large batches, CPUs). So th
 on the hardware and the batch size, and at some batch size none beats plain decoding. `measure` times
 plain decoding and each candidate envelope on calibration prompts (generation end to end, after one
 compiling pass, in interleaved rounds so that a slow spell of the machine does not land on one candidate);
-`choose` keeps the fastest, or plain decoding (None) when no envelope beats it. A `Budget` holds the
-choices per batch size and serialises to JSON.
+`choose` keeps the fastest, or plain decoding (None) unless an envelope beats it by `MARGIN` (a tie
+within the noise of a shared machine goes to plain decoding, which cannot lose to itself). A `Budget`
+holds the choices per batch size and serialises to JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ CANDIDATES: tuple[DynamicTree, ...] = tuple(
         (60, 7, 10),
     )
 )
+
+
+MARGIN = 0.05  # what speculation must gain over plain decoding's measured tokens/s to be chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +135,11 @@ def measure(
     return measured
 
 
-def choose(measured: Sequence[Measured]) -> DynamicTree | None:
-    """The fastest envelope, or None (plain decoding) when no envelope beats plain decoding."""
-    return max(measured, key=lambda m: m.tokens_per_s).tree
+def choose(measured: Sequence[Measured], margin: float = MARGIN) -> DynamicTree | None:
+    """The fastest envelope when it beats plain decoding (measured[i].tree None) by `margin`, else None."""
+    plain_rate = next(m.tokens_per_s for m in measured if m.tree is None)
+    fastest = max((m for m in measured if m.tree is not None), key=lambda m: m.tokens_per_s, default=None)
+    return fastest.tree if fastest and fastest.tokens_per_s >= (1 + margin) * plain_rate else None
 
 
 def calibrate(
