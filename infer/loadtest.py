@@ -34,6 +34,18 @@ READY_TIMEOUT_S = 1800
 PNG_TITLE = "eagle-jax load test"  # in the plot's metadata: how a rerun recognises its own PNG
 
 
+def server_flags(
+    target: str | None, draft: str | None, dtype: str | None, max_batch: int, max_len: int
+) -> tuple[list[str], list[str]]:
+    """The flags of the servers started here, and the same flags as the report records them (model paths as
+    `command.shown_path`: no machine's folders in a shared report)."""
+    models = {"target": target, "draft": draft}
+    given = [(k, v) for k, v in (*models.items(), ("dtype", dtype)) if v]
+    sizes = ["--max-batch", str(max_batch), "--max-len", str(max_len)]
+    shown = [f"--{k}={command.shown_path(v) if k in models else v}" for k, v in given]
+    return [f"--{k}={v}" for k, v in given] + sizes, shown + sizes
+
+
 def first_turns(path: Path, n: int) -> list[str]:
     turns = [json.loads(line)["turns"][0] for line in Path(path).read_text().splitlines() if line.strip()]
     if not turns:
@@ -208,9 +220,8 @@ def _main(argv: Sequence[str] | None) -> int:
     if a.url:
         report["spec"] = measure(a.url.rstrip("/"), questions, levels, a.max_tokens, "server")
     else:
-        common = [f"--{k}={v}" for k, v in (("target", a.target), ("draft", a.draft), ("dtype", a.dtype)) if v]
-        common += ["--max-batch", str(a.max_batch), "--max-len", str(a.max_len)]
-        report["settings"] |= {"server_args": common, "target": command.shown_path(a.target)}
+        common, shown = server_flags(a.target, a.draft, a.dtype, a.max_batch, a.max_len)
+        report["settings"] |= {"server_args": shown, "target": command.shown_path(a.target)}
         for mode, extra in (("spec", []), ("plain", ["--no-spec"])):
             proc, url = start_server(common + extra)
             try:

@@ -244,6 +244,15 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
     assert answers[0] != answers[1] and len(answers[0]) == 40
 
 
+def test_loadtest_reports_model_paths_without_the_machines_folders(tmp_path):
+    from infer import loadtest
+
+    run, shown = loadtest.server_flags(str(tmp_path / "smollm2"), "demo/eagle3", "fp32", 8, 1024)
+    assert run == [f"--target={tmp_path / 'smollm2'}", "--draft=demo/eagle3", "--dtype=fp32", *shown[3:]]
+    assert shown == ["--target=smollm2", "--draft=demo/eagle3", "--dtype=fp32", "--max-batch", "8", "--max-len", "1024"]
+    assert loadtest.server_flags(None, None, None, 4, 512)[1] == ["--max-batch", "4", "--max-len", "512"]
+
+
 def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
     from infer import loadtest
 
