@@ -1,19 +1,11 @@
 """Shared fixtures. Eight virtual CPU devices are configured before jax is imported."""
 
-import atexit
 import os
-import shutil
 import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["EAGLE_JAX_CACHE"] = tempfile.mkdtemp(prefix="eagle-jax-cache-")  # measured budgets stay out of $HOME
-# one compilation cache for the run, shared by the test workers and the commands they start (the same
-# programs recur across tests and processes); its size limit turns on jax's file lock for concurrent use
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="eagle-jax-xla-")
-    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 from pathlib import Path  # noqa: E402
 
