@@ -26,6 +26,7 @@ from typing import Any
 from cli.command import DTYPES
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
+from eagle_jax.io import loading
 from eagle_jax.models.config import DRAFT_KINDS
 from eagle_jax.parallel.sharding import parse_mesh
 
@@ -65,6 +66,29 @@ class Preset:
                 f"folder holding {ref.dir}, or pass --{which} DIR"
             )
         return path
+
+
+def target_folder(target: str | None, preset: Preset | None, models_root: str | None) -> Path:
+    """The --target folder, else the preset's."""
+    if target is None and preset is None:
+        raise EagleError("give --target DIR (and --draft DIR) or --config NAME")
+    return Path(target) if target else preset.model_dir("target", models_root)
+
+
+def model_dirs(
+    target: str | None, draft: str | None, preset: Preset | None, models_root: str | None, fallback: str = ""
+) -> tuple[Path, Path]:
+    """(target, draft) folders: the flags first, then a store's own head, then the preset's folders. Without a
+    head, a missing or broken target is named first, then the missing head (`fallback` adds the other way out)."""
+    target_dir = target_folder(target, preset, models_root)
+    if draft:
+        return target_dir, Path(draft)
+    if loading.holds_draft(target_dir):
+        return target_dir, target_dir
+    if preset is not None:
+        return target_dir, preset.model_dir("draft", models_root)
+    loading.target_config(target_dir)
+    raise EagleError(f"no draft head: {target_dir} holds none; pass --draft DIR{fallback}")
 
 
 def _model_ref(raw: Any, where: str, extra: tuple[str, ...] = ()) -> ModelRef:

@@ -174,19 +174,10 @@ def check_settings_fit(s: Settings, m: Models) -> None:
 
 
 def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[Path, Path | None]:
-    """(target, draft or None): flags first, then a store's own head, then the preset's folders."""
-    if a.target is None and preset is None:
-        raise EagleError("give --target DIR (and --draft DIR) or --config NAME")
-    target_dir = Path(a.target) if a.target else preset.model_dir("target", a.models)
+    """(target, draft or None): as `presets.model_dirs`; no draft with --no-spec."""
     if a.no_spec:
-        return target_dir, None
-    if a.draft:
-        return target_dir, Path(a.draft)
-    if loading.holds_draft(target_dir):
-        return target_dir, target_dir
-    if preset is not None:
-        return target_dir, preset.model_dir("draft", a.models)
-    raise EagleError(f"no draft head: {target_dir} holds none; pass --draft DIR, or --no-spec for plain decoding")
+        return presets.target_folder(a.target, preset, a.models), None
+    return presets.model_dirs(a.target, a.draft, preset, a.models, ", or --no-spec for plain decoding")
 
 
 def load_tokenizer(target_dir: Path, chat_template: str | None):

@@ -78,12 +78,7 @@ def _main(argv: Sequence[str] | None) -> int:
     if a.target is None and preset is None:  # the demo pair, in float32 as the demo runs it
         target_dir, draft_dir = demo.TARGET, Path(a.draft or demo.DRAFT)
     else:
-        target_dir = Path(a.target) if a.target else preset.model_dir("target", a.models)
-        draft_dir = Path(a.draft) if a.draft else (target_dir if loading.holds_draft(target_dir) else None)
-        if draft_dir is None and preset is not None:
-            draft_dir = preset.model_dir("draft", a.models)
-        if draft_dir is None:
-            raise EagleError(f"no draft head: pass --draft DIR ({target_dir} holds none)")
+        target_dir, draft_dir = presets.model_dirs(a.target, a.draft, preset, a.models)
     demo_pair = a.target is None and preset is None
     dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else "fp32" if demo_pair else None))
     mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)

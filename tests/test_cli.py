@@ -430,6 +430,19 @@ def test_preset_paths(tmp_path, monkeypatch):
         )
 
 
+def test_model_folders_name_a_missing_target_before_a_missing_head(tmp_path):
+    """--target and --draft first, then a store's own head; without a head a missing target is the error."""
+    assert presets.model_dirs(TARGET, EAGLE3, None, None) == (Path(TARGET), Path(EAGLE3))
+    with pytest.raises(EagleError, match="/no/such/model: directory not found"):
+        presets.model_dirs("/no/such/model", None, None, None)
+    with pytest.raises(EagleError, match="no draft head: .* holds none; pass --draft DIR, or --no-spec"):
+        presets.model_dirs(TARGET, None, None, None, ", or --no-spec")
+    store = convert.convert(TARGET, EAGLE3, tmp_path / "store", progress=False)
+    assert presets.model_dirs(str(store), None, None, None) == (Path(store), Path(store))
+    with pytest.raises(EagleError, match="--config NAME"):
+        presets.target_folder(None, None, None)
+
+
 def test_preset_with_local_models(reference, tmp_path, capsys):
     """A preset file whose folders live under --models drives the whole run (tree and budget included)."""
     preset = {

@@ -27,6 +27,7 @@ from eagle_jax.serving import api, batcher  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "demo"
+GOLDEN = ROOT / "tests" / "golden"
 SLOTS = 4
 QUESTIONS = [
     "How do I make a cup of tea?",
@@ -277,17 +278,23 @@ def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "args",
-    [["--max-batch", "0"], ["--port", "70000"], ["--max-len", "100000"], ["--target", "/no/such/model"]],
-    ids=["max-batch 0", "port out of range", "max-len above the positions", "missing target"],
+    "args, expected",
+    [
+        (["--max-batch", "0"], "--max-batch must be >= 1"),
+        (["--port", "70000"], "--port 70000"),
+        (["--max-len", "100000"], "--max-len"),
+        (["--target", "/no/such/model"], "/no/such/model: directory not found"),
+        (["--target", str(GOLDEN / "target")], "no draft head"),
+    ],
+    ids=["max-batch 0", "port out of range", "max-len above the positions", "missing target", "target without head"],
 )
-def test_serve_refuses_bad_flags_in_one_line(args, capsys, tmp_path, monkeypatch):
+def test_serve_refuses_bad_flags_in_one_line(args, expected, capsys, tmp_path, monkeypatch):
     from infer import serve
 
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
     assert serve.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert len(err) == 1 and err[0].startswith("error: ") and expected in err[0], err
 
 
 def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
