@@ -19,11 +19,10 @@ from convdata import (
     write_jsonl,
 )
 from safetensors.numpy import load_file
-from tiny import tiny_draft, tiny_target
 
 from eagle_jax.decoding import plain
 from eagle_jax.io import loading, store
-from eagle_jax.models import draft, layers, params, target
+from eagle_jax.models import draft, params
 from eagle_jax.models.config import eagle3_head_like
 from eagle_jax.training import data, objective, trainer
 from eagle_jax.training import regenerate as regeneration
@@ -183,45 +182,6 @@ def test_init_from_an_official_head(target_dir, golden_target, workdir, golden_d
         np.testing.assert_array_equal(exported[key], official[key])
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_lm_head_from_target_reads_out_like_the_target(tied):
-    """An initialised head's logits on a pre-norm hidden state are the target's on its draft vocabulary."""
-    tcfg, tparams = tiny_target(tied=tied, vocab=64)
-    tparams["final_norm"] = jax.random.uniform(jax.random.key(3), tparams["final_norm"].shape, minval=0.5, maxval=2)
-    dcfg, head = tiny_draft("eagle3", tcfg, draft_vocab=24)
-    trainable, maps = objective.split_trainable(head)
-    init = trainer.lm_head_from_target(trainable, maps, tparams, tcfg, dcfg)
-    assert init.keys() == trainable.keys() and init["lm_head"].dtype == np.float32
-    hidden = jax.random.normal(jax.random.key(4), (2, 5, tcfg.hidden_size))  # [B, T, H] before the final norm
-    ours = draft.logits({**init, **maps}, dcfg, hidden, None)  # [B, T, Vd]
-    normed = layers.rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)
-    columns = objective.draft_columns(maps, dcfg)
-    np.testing.assert_allclose(ours, target.lm_logits(tparams, tcfg, normed)[..., columns], rtol=1e-5, atol=1e-5)
-
-
-def test_a_run_starts_from_the_targets_readout(target_dir, chain_data, golden_target, tmp_path):
-    """--lm-head-from-target reaches the run: after one step at a tiny learning rate the exported lm_head is
-    the target's, and a run folder saved before the flag existed resumes as one without it."""
-    rc = eagle3.parse_args(
-        ["--target", str(target_dir), "--data", str(chain_data[0]), "--out", str(tmp_path / "o"), *TINY]
-        + ["--steps", "1", "--lr", "1e-9", "--lm-head-from-target"]
-    )
-    trainer.train(rc)
-    exported = load_file(str(tmp_path / "o" / "export" / "model.safetensors"))
-    tcfg, tparams = golden_target
-    columns = exported["d2t"] + np.arange(len(exported["d2t"]))
-    readout = np.asarray(target.output_head(tparams, tcfg))[:, columns]  # [H, Vd]
-    np.testing.assert_allclose(exported["lm_head.weight"].T, readout, atol=1e-6)
-    np.testing.assert_allclose(exported["norm.weight"], np.asarray(tparams["final_norm"]), atol=1e-6)
-    saved = json.loads((tmp_path / "o" / "run.json").read_text())
-    old = dataclasses.replace(rc, lm_head_from_target=False)
-    del saved["lm_head_from_target"]
-    (tmp_path / "o" / "run.json").write_text(json.dumps({**saved, "out": old.out}))
-    trainer.check_resume(old, tmp_path / "o")
-    with pytest.raises(trainer.RunMismatch, match="lm_head_from_target=False \\(now True\\)"):
-        trainer.check_resume(rc, tmp_path / "o")
-
-
 def test_export_formats_load_back(tmp_path, golden_target):
     tcfg, _ = golden_target
     dcfg = eagle3_head_like(tcfg, 256)
@@ -284,7 +244,6 @@ def test_user_errors_are_one_line_with_exit_code_2(run_main, target_dir, chain_d
         ),
         ([*base, "--steps", "0"], "--steps must be >= 1"),
         ([*base, "--tau-every", "5"], "--tau-every needs --tau-prompts"),
-        ([*base, "--init-head", target_dir, "--lm-head-from-target"], "--init-head already gives one"),
         (["--target", target_dir, "--out", tmp_path / "o"], "--data"),
         (
             [*base, "--draft-vocab-size", "4096", "--mesh", "fsdp=8"],

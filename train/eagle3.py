@@ -50,11 +50,6 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--draft-vocab-size", type=int, default=None, help="default min(32000, target vocab)")
     p.add_argument("--init-head", default=None, help="start from this official EAGLE-3 head directory")
-    p.add_argument(
-        "--lm-head-from-target",
-        action="store_true",
-        help="start a new head's lm_head and norm from the target's output head and final norm",
-    )
     p.add_argument("--bf16", action="store_true", help="bf16 target and draft compute, fp32 master weights and loss")
     p.add_argument("--chat-template", default=None, help="jinja chat template file (if the tokenizer has none)")
     p.add_argument("--save-every", type=int, default=500)
@@ -96,7 +91,6 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
         seed=a.seed,
         draft_vocab_size=a.draft_vocab_size,
         init_head=resolve(a.init_head),
-        lm_head_from_target=a.lm_head_from_target,
         bf16=a.bf16,
         chat_template=resolve(a.chat_template),
         save_every=a.save_every,

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from eagle_jax.decoding import speculative
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading, official, store
-from eagle_jax.models import draft, target
+from eagle_jax.models import draft
 from eagle_jax.models.config import DraftConfig, TargetConfig, eagle3_head_like
 from eagle_jax.models.params import init_params
 from eagle_jax.parallel import sharding
@@ -46,7 +46,6 @@ RESUME_KEYS = (
     "seed",
     "draft_vocab_size",
     "init_head",
-    "lm_head_from_target",
     "bf16",
     "chat_template",
 )
@@ -70,7 +69,6 @@ class RunConfig:
     seed: int = 0
     draft_vocab_size: int | None = None  # default: min(32000, target vocab)
     init_head: str | None = None
-    lm_head_from_target: bool = False  # a new head's lm_head and norm start as the target's
     bf16: bool = False
     chat_template: str | None = None
     save_every: int = 500
@@ -87,19 +85,6 @@ class RunConfig:
 
 def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, jax.Array, jax.Array]:
     return tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
-
-
-def lm_head_from_target(trainable: dict, maps: dict, tparams: dict, tcfg: TargetConfig, dcfg: DraftConfig) -> dict:
-    """`trainable` with the head's lm_head [H, Vd] set to the target's output head restricted to the draft
-    vocabulary (its columns in draft-id order) and its norm [H] to the target's final norm, in float32.
-
-    The head then reads its output through the target's own readout and only has to learn to reach the
-    target's final hidden state, which a random lm_head must learn at the same time as the readout.
-    """
-    columns = objective.draft_columns(maps, dcfg)  # [Vd]
-    readout = target.output_head(tparams, tcfg)[:, columns]  # [H, Vd]
-    as_f32 = lambda x: np.asarray(jax.device_get(x), np.float32)  # noqa: E731
-    return {**trainable, "lm_head": as_f32(readout), "norm": as_f32(tparams["final_norm"])}
 
 
 def export_head(params: dict, dcfg: DraftConfig, tcfg: TargetConfig, out: Path) -> list[str]:
@@ -147,8 +132,7 @@ def check_resume(rc: RunConfig, out: Path) -> None:
     except EagleError as exc:
         raise EagleError(f"{exc}; repair it (it holds the run's settings) or use a new run folder", "out") from None
     mine = json.loads(json.dumps(dataclasses.asdict(rc)))
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}  # a key newer than the saved run
-    diffs = [(k, saved.get(k, defaults[k]), mine[k]) for k in RESUME_KEYS if saved.get(k, defaults[k]) != mine[k]]
+    diffs = [(k, saved.get(k), mine[k]) for k in RESUME_KEYS if saved.get(k) != mine[k]]
     if diffs:
         raise RunMismatch(out, diffs)
     if isinstance(saved.get("steps"), int) and rc.steps < saved["steps"]:
@@ -286,8 +270,6 @@ def train(rc: RunConfig) -> dict:
     tcfg = loading.target_config(rc.target)  # weights later: bad settings and data fail first
     tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
     init_map = None
-    if rc.init_head and rc.lm_head_from_target:
-        raise EagleError("--lm-head-from-target initialises a new head and --init-head already gives one: drop one")
     if rc.init_head:
         dcfg, head = loading.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)  # fp32 master
         if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
@@ -312,8 +294,6 @@ def train(rc: RunConfig) -> dict:
     optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum)
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
     tparams = loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1]
-    if rc.lm_head_from_target:
-        trainable_init = lm_head_from_target(trainable_init, maps, tparams, tcfg, dcfg)
     vmap_dev = sharding.place(maps, sh.vocab_map)
     trainable = sharding.place(trainable_init, sh.trainable)
     opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)
