@@ -20,6 +20,8 @@ from convdata import (
 )
 from test_train import ROOT, TINY, cli_env, read_jsonl, run_module
 
+from eagle_jax.training import trainer
+
 
 def checkpoint_steps(out: Path) -> list[int]:
     """Complete orbax checkpoints (temporary directories of unfinished saves have other names)."""
@@ -86,6 +88,61 @@ def test_kill_9_and_resume_gives_the_same_losses(golden_dir, golden_target, tmp_
     ref_export = (tmp_path / "ref" / "export" / "model.safetensors").read_bytes()
     assert (out / "export" / "model.safetensors").read_bytes() == ref_export
     assert json.loads((out / "run.json").read_text())["steps"] == 16
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(golden_dir, golden_target, tmp_path):
+    """The first SIGINT ends the step under way, saves it (no --save-every multiple needed) and
+    exports the head, exit code 130; the same command then ends where an uninterrupted run ends."""
+    target = templated_target_dir(golden_dir, tmp_path / "target")
+    train = write_jsonl(
+        tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0)
+    )
+    env = cli_env(tmp_path)
+    args = ["--target", target, "--data", train, "--steps", 60, *TINY, "--save-every", 1000, "--log-every", 1]
+    out = tmp_path / "stopped"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train.eagle3", *map(str, args), "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 180
+    while (
+        proc.poll() is None
+        and time.monotonic() < deadline
+        and not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2)
+    ):
+        time.sleep(0.02)
+    if proc.poll() is not None:
+        pytest.fail(f"training ended (rc {proc.returncode}) before the signal")
+    proc.send_signal(signal.SIGINT)
+    stderr = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, stderr[-3000:]
+    stopped_at = len(read_jsonl(metrics))
+    assert 2 <= stopped_at < 60 and f"stopped at step {stopped_at} of 60;" in stderr, stderr[-3000:]
+    assert checkpoint_steps(out) == [stopped_at]
+    assert (out / "export" / "model.safetensors").is_file() and (out / "head").is_dir()
+
+    resumed = run_module("train.eagle3", [*args, "--out", out], env)
+    assert resumed.returncode == 0 and f"resuming {out} at step {stopped_at}" in resumed.stderr, resumed.stderr[-3000:]
+    reference = run_module("train.eagle3", [*args, "--out", tmp_path / "ref"], env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    rows, ref_rows = read_jsonl(metrics), read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    assert [(r["step"], r["loss"], r["acc"]) for r in rows] == [(r["step"], r["loss"], r["acc"]) for r in ref_rows]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_stops_at_once_and_handlers_come_back(sig):
+    before = signal.getsignal(sig)
+    with pytest.raises(KeyboardInterrupt), trainer.stop_between_steps() as stop_asked:
+        assert not stop_asked()
+        signal.raise_signal(sig)
+        assert stop_asked()
+        signal.raise_signal(sig)
+        pytest.fail("the second signal did not interrupt")
+    assert signal.getsignal(sig) is before
 
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(golden_dir, golden_target, tmp_path):

@@ -5,16 +5,21 @@ settings), vocab_map.npz (d2t, t2d, loss-masked token counts), ckpt/ (orbax trai
 metrics.jsonl (one line per logged step), tau.jsonl (the head's real tau measured with the speculative
 engine on held-out prompts), curves.png, head/ (the final head as an orbax store) and export/ (the
 final head in the official format). A resumed run continues with the same batches and losses as an
-uninterrupted one.
+uninterrupted one. Ctrl-C (or SIGTERM) during the steps stops the run after the current step with a
+checkpoint and the head exported, then raises KeyboardInterrupt; the same settings continue it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import signal
 import sys
+import threading
 import time
 import zipfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -260,6 +265,30 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def stop_between_steps() -> Iterator[Callable[[], bool]]:
+    """Within: the first SIGINT or SIGTERM only asks the loop to stop after its current step (the function
+    yielded says whether one came); a second one raises KeyboardInterrupt at once. Signals keep their usual
+    effect outside the main thread and on multi-host runs (whose hosts would stop at different steps)."""
+    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    received: list[int] = []
+
+    def handler(signum: int, frame) -> None:
+        if received:
+            raise KeyboardInterrupt
+        received.append(signum)
+        log(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint and an export (again: at once)")
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield lambda: bool(received)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def train(rc: RunConfig) -> dict:
     """Run (or resume) training; returns the last logged metrics record."""
     out = check_run_folder(rc)
@@ -327,48 +356,54 @@ def train(rc: RunConfig) -> dict:
             real_tau(0)
         last: dict = {}
         tokens, t0 = 0, time.perf_counter()
-        for step in range(start, rc.steps):
-            micro = []
-            for k in range(rc.grad_accum):
-                rows, length = plan(step * rc.grad_accum + k)
-                batch = data.collate([examples[i] for i in rows], length, pad_id)
-                tokens += batch.real_tokens
-                state["params"], state["opt_state"], m = step_fn(
-                    state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh)
-                )
-                micro.append(m)
-            done = step + 1
-            if done % rc.log_every == 0 or done == rc.steps:
-                ms = jax.device_get(micro)
-                elapsed = time.perf_counter() - t0
-                correct = np.sum([m["n_correct"] for m in ms], axis=0)
-                denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
-                acc = (correct / (denom + 1e-6)).tolist()
-                last = {
-                    "step": done,
-                    "loss": float(np.mean([m["loss"] for m in ms])),
-                    "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
-                    "acc": acc,
-                    "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
-                    "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
-                    "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(step)),
-                    "tokens_per_s": tokens / elapsed,
-                }
-                append_jsonl(out / "metrics.jsonl", last)
-                bar.set_postfix_str(
-                    f"loss {last['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in acc)} tau~{last['tau_sim']:.2f} "
-                    f"{last['tokens_per_s']:.0f} tok/s",
-                    refresh=False,
-                )
-                tokens, t0 = 0, time.perf_counter()
-            bar.update(1)
-            if prompts and rc.tau_every and done % rc.tau_every == 0:
-                real_tau(done)
-            if done % rc.save_every == 0 or done == rc.steps:
-                checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
+        with stop_between_steps() as stop_asked:
+            for step in range(start, rc.steps):
+                micro = []
+                for k in range(rc.grad_accum):
+                    rows, length = plan(step * rc.grad_accum + k)
+                    batch = data.collate([examples[i] for i in rows], length, pad_id)
+                    tokens += batch.real_tokens
+                    state["params"], state["opt_state"], m = step_fn(
+                        state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh)
+                    )
+                    micro.append(m)
+                done = step + 1
+                if done % rc.log_every == 0 or done == rc.steps:
+                    ms = jax.device_get(micro)
+                    elapsed = time.perf_counter() - t0
+                    correct = np.sum([m["n_correct"] for m in ms], axis=0)
+                    denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
+                    acc = (correct / (denom + 1e-6)).tolist()
+                    last = {
+                        "step": done,
+                        "loss": float(np.mean([m["loss"] for m in ms])),
+                        "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
+                        "acc": acc,
+                        "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+                        "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
+                        "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(step)),
+                        "tokens_per_s": tokens / elapsed,
+                    }
+                    append_jsonl(out / "metrics.jsonl", last)
+                    bar.set_postfix_str(
+                        f"loss {last['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in acc)} tau~{last['tau_sim']:.2f} "
+                        f"{last['tokens_per_s']:.0f} tok/s",
+                        refresh=False,
+                    )
+                    tokens, t0 = 0, time.perf_counter()
+                bar.update(1)
+                if prompts and rc.tau_every and done % rc.tau_every == 0:
+                    real_tau(done)
+                if done % rc.save_every == 0 or done == rc.steps or stop_asked():
+                    checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
+                if stop_asked():
+                    break
         bar.close()
 
     exported = export_head({**state["params"], **maps}, dcfg, tcfg, out)
     png = plot_curves(out) if (out / "metrics.jsonl").is_file() else None
     log(f"exported {', '.join(exported)} to {out / 'export'}" + (f"; curves in {png}" if png else ""))
+    if stop_asked() and done < rc.steps:
+        log(f"stopped at step {done} of {rc.steps}; the same command continues the run")
+        raise KeyboardInterrupt
     return last
