@@ -145,6 +145,18 @@ def test_a_second_signal_stops_at_once_and_handlers_come_back(sig):
     assert signal.getsignal(sig) is before
 
 
+def test_an_ignored_sigint_stays_ignored():
+    """A background job (`cmd &`) ignores SIGINT: training there must not start stopping on it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with trainer.stop_between_steps() as stop_asked:
+            signal.raise_signal(signal.SIGINT)
+            assert not stop_asked()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(golden_dir, golden_target, tmp_path):
     """Truncate a file of the newest checkpoint: the rerun says which one it skips, continues from the one
     before and ends with the same losses and head; with every checkpoint damaged it refuses in one line."""

@@ -268,8 +268,9 @@ def log(msg: str) -> None:
 @contextlib.contextmanager
 def stop_between_steps() -> Iterator[Callable[[], bool]]:
     """Within: the first SIGINT or SIGTERM only asks the loop to stop after its current step (the function
-    yielded says whether one came); a second one raises KeyboardInterrupt at once. Signals keep their usual
-    effect outside the main thread and on multi-host runs (whose hosts would stop at different steps)."""
+    yielded says whether one came); a second one raises KeyboardInterrupt at once. An ignored signal (SIGINT
+    in a background job) stays ignored; signals keep their usual effect outside the main thread and on
+    multi-host runs (whose hosts would stop at different steps)."""
     if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
         yield lambda: False
         return
@@ -281,7 +282,8 @@ def stop_between_steps() -> Iterator[Callable[[], bool]]:
         received.append(signum)
         log(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint and an export (again: at once)")
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    watched = [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, handler) for sig in watched}
     try:
         yield lambda: bool(received)
     finally:
