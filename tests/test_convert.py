@@ -122,6 +122,16 @@ def test_save_draft_exports_like_the_original(golden_dir, golden_target, tmp_pat
         _assert_same_official(tmp_path / f"{kind}-official", golden_dir / kind)
 
 
+def test_a_store_named_by_a_relative_path_loads(golden_dir, golden_target, tmp_path, monkeypatch):
+    """`convert.orbax_to_torch --draft runs/x/head` from the run's parent folder, as the README does."""
+    tcfg, _ = golden_target
+    _, params = official.load_head(golden_dir / "eagle3", tcfg)
+    store.save_draft(tmp_path / "run" / "head", json.loads((golden_dir / "eagle3" / "config.json").read_text()), params)
+    monkeypatch.chdir(tmp_path)
+    _, loaded = store.load_draft_store(Path("run/head"), tcfg)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params)))
+
+
 @pytest.mark.parametrize("mesh_text", ["data=2,tensor=4", "tensor=8"])
 def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
     """Each leaf arrives with the sharding of its logical axes; values equal the host restore."""

@@ -237,6 +237,7 @@ def _restore(path: Path, specs: PyTree, shardings: PyTree | None) -> PyTree:
 
     if not path.is_dir():
         raise EagleError(f"{path}: checkpoint directory not found")
+    path = path.absolute()  # orbax finds no item metadata under a relative path
     shardings = shardings if shardings is not None else map_specs(lambda _: None, specs)
     abstract = jax.tree.map(
         lambda s, where: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=where), specs, shardings, is_leaf=is_spec
