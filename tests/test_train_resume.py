@@ -90,6 +90,14 @@ def test_kill_9_and_resume_gives_the_same_losses(golden_dir, golden_target, tmp_
     assert json.loads((out / "run.json").read_text())["steps"] == 16
 
 
+# python -m train.eagle3 with SIGINT handled as in a terminal, also when the suite runs as a background job
+# (whose children inherit SIGINT ignored)
+CTRL_C_LIKE_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv[0] = 'train.eagle3'; runpy.run_module('train.eagle3', run_name='__main__', alter_sys=True)"
+)
+
+
 def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(golden_dir, golden_target, tmp_path):
     """The first SIGINT ends the step under way, saves it (no --save-every multiple needed) and
     exports the head, exit code 130; the same command then ends where an uninterrupted run ends."""
@@ -101,7 +109,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(golden_dir,
     args = ["--target", target, "--data", train, "--steps", 60, *TINY, "--save-every", 1000, "--log-every", 1]
     out = tmp_path / "stopped"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "train.eagle3", *map(str, args), "--out", str(out)],
+        [sys.executable, "-c", CTRL_C_LIKE_A_TERMINAL, *map(str, args), "--out", str(out)],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,
@@ -135,14 +143,17 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(golden_dir,
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_stops_at_once_and_handlers_come_back(sig):
-    before = signal.getsignal(sig)
-    with pytest.raises(KeyboardInterrupt), trainer.stop_between_steps() as stop_asked:
-        assert not stop_asked()
-        signal.raise_signal(sig)
-        assert stop_asked()
-        signal.raise_signal(sig)
-        pytest.fail("the second signal did not interrupt")
-    assert signal.getsignal(sig) is before
+    before = signal.signal(sig, signal.default_int_handler)  # as in a terminal, even when the suite runs in `cmd &`
+    try:
+        with pytest.raises(KeyboardInterrupt), trainer.stop_between_steps() as stop_asked:
+            assert not stop_asked()
+            signal.raise_signal(sig)
+            assert stop_asked()
+            signal.raise_signal(sig)
+            pytest.fail("the second signal did not interrupt")
+        assert signal.getsignal(sig) is signal.default_int_handler
+    finally:
+        signal.signal(sig, before)
 
 
 def test_an_ignored_sigint_stays_ignored():

@@ -6,9 +6,10 @@
 Re-running with the same --out resumes from the newest intact checkpoint (a damaged newer one is
 reported and skipped) and continues with the same batches and losses as an uninterrupted run (the flags
 that define the run must repeat; --mesh, --save-every, --keep, --log-every and the tau flags may change,
---steps may be raised but not lowered). An --out that exists, is not empty and holds no run.json is
-refused: a run never writes into a folder it did not make. OUT holds run.json (the
-flags), vocab_map.npz, ckpt/, metrics.jsonl, tau.jsonl (the real tau on --tau-prompts), curves.png,
+--steps may be raised but not lowered). Ctrl-C or SIGTERM stops after the step under way with a
+checkpoint and the head exported (exit code 130; a second one stops at once). An --out that exists,
+is not empty and holds no run.json is refused: a run never writes into a folder it did not make. OUT
+holds run.json (the flags), vocab_map.npz, ckpt/, metrics.jsonl, tau.jsonl (the real tau on --tau-prompts), curves.png,
 head/ (the final head as an orbax store) and export/ (in the official format); see
 `eagle_jax.training.trainer`. `--plan` prints the compiled memory plan of a training step instead
 (as `python -m infer.plan --train`).
