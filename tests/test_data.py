@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -181,18 +182,22 @@ def test_records_without_answers_are_counted_and_skipped(tmp_path, tokenizer):
     assert (stats.records, stats.no_assistant, stats.trimmed, stats.examples) == (4, 2, 1, 2)
 
 
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~])/(?:home|Users|root|tmp|work|workspace|var|opt|mnt|etc|usr)/")
+
+
 def test_shipped_smollm2_answers_are_whole_first_turns_of_the_demo_prompts():
-    """data/smollm2/answers.jsonl (demo/README.md): 4607 conversations, ids demo-6144 to demo-10751 once each
-    (the one missing prompt was too long to answer), each a user turn then a non-empty answer."""
+    """data/smollm2/answers.jsonl (demo/README.md): 4592 conversations with ids from demo-6144 to demo-10751, once
+    each, each a user turn then a non-empty answer, and no absolute file path in their text."""
     path = Path(__file__).resolve().parents[1] / "data" / "smollm2" / "answers.jsonl"
     records, cut_off = data.read_records(path)
     numbers = [int(r["id"].removeprefix("demo-")) for r in records]
-    assert (len(records), cut_off, len(set(numbers))) == (4607, 0, 4607)
+    assert (len(records), cut_off, len(set(numbers))) == (4592, 0, 4592)
     assert min(numbers) == 6144 and max(numbers) == 10751
     for index, record in enumerate(records):
         turns, trimmed = data.trainable_turns(data.messages_of(record, f"record {index}"))
         assert [m["role"] for m in turns] == ["user", "assistant"] and not trimmed, record["id"]
         assert turns[1]["content"].strip(), record["id"]
+        assert not ABSOLUTE_PATH.search(turns[0]["content"] + turns[1]["content"]), record["id"]
 
 
 def test_too_long_dropped_and_counted(tmp_path, tokenizer):
