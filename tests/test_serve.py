@@ -3,7 +3,6 @@ speculative rows must answer every request as plain decoding of it alone would."
 
 import concurrent.futures
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -19,6 +18,8 @@ import pytest
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
+
+from test_train import cli_env  # noqa: E402
 
 from eagle_jax.decoding import plain  # noqa: E402
 from eagle_jax.decoding.tree import DynamicTree  # noqa: E402
@@ -325,9 +326,7 @@ def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
 
 def two_hosts(args: list[str], tmp_path: Path) -> tuple[list[subprocess.Popen], list[Path]]:
     """`infer.serve args` started as a two-process job on this machine (two CPU devices each)."""
-    env = os.environ | {
-        "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = cli_env(tmp_path, devices=2) | {
         "COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
         "NUM_PROCESSES": "2",
     }

@@ -74,9 +74,9 @@ def test_turns_equal_decoding_from_scratch(pair, tree):
     prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
     for prompt, answer, accepted in zip(prompts, answers, accepts):
         if tree is None:
-            assert answer == plain.generate(tparams, tcfg, [prompt], 20).tokens[0]
+            assert answer == plain.generate(tparams, tcfg, [prompt], 20, capacity=512).tokens[0]
         else:  # the head drafts from the same context too: the same cycles accept the same drafts
-            expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree)
+            expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree, capacity=512)
             assert answer == expected.tokens[0] and accepted == expected.accept_lengths[0]
     assert kept[0] == 0
     for before, answer, now in zip(prompts, answers, kept[1:]):
@@ -102,7 +102,9 @@ def test_sampled_turns_equal_sampling_from_scratch(pair):
     talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, sc, capacity=512, chunks=(32,))
     prompts, answers, _, _ = _conversation(talk, 20, 3, 16, np.random.default_rng(2), seed_base=5)
     for turn, (prompt, answer) in enumerate(zip(prompts, answers)):
-        expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 16, TREE, sc, seed=5 + turn)
+        expected = speculative.generate(
+            tparams, tcfg, dparams, dcfg, [prompt], 16, TREE, sc, seed=5 + turn, capacity=512
+        )
         assert answer == expected.tokens[0]
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +47,12 @@ TINY = [
 
 
 def cli_env(tmp: Path, devices: int = 1) -> dict:
+    """The environment of a CLI run on `devices` CPU devices: this session's XLA flags, a compilation cache."""
+    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
     return {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={devices}".strip(),
         "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax-cache"),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     }
