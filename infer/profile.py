@@ -9,7 +9,9 @@ and the speedup tau / (1 + c) decoding alone would give; the cycle split into it
 rerank, tree mask, verify, sample, accept, compact, draft catch-up) from one profiled run, as time per
 cycle (scaled to the untraced cycle) and share; an op census of both compiled loops; and what one
 target forward over T tokens costs against one token (--widths), which bounds what verifying a tree of T
-nodes can cost. Without --target, the demo pair.
+nodes can cost; and a floor under c: the cycle's flops at this machine's best matmul rate, in plain steps (XLA's
+count, in which a loop body counts once, so of the draft levels only one: a floor, not an estimate). Without
+--target, the demo pair.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from cli import command, demo
-from eagle_jax.decoding import plain, profiling, schedule, speculative
+from eagle_jax.decoding import cost, plain, profiling, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
@@ -77,6 +79,17 @@ def forward_ms(tparams, tcfg, width: int, batch: int, context: int, span: int, r
     return 1000 * seconds / FORWARDS_PER_RUN
 
 
+MATMUL_SIZE = 1024
+
+
+def matmul_flops_per_s(dtype, repeats: int = 20) -> float:
+    """This machine's best dense matmul rate: FLOP/s of the fastest of `repeats` jitted [1024, 1024] @ [1024, 1024]
+    products (a few ms each, so many: on a shared machine one slow run in five is common)."""
+    a = jnp.ones((MATMUL_SIZE, MATMUL_SIZE), dtype)
+    product = jax.jit(jnp.matmul)
+    return 2 * MATMUL_SIZE**3 / _best(lambda: product(a, a), repeats)
+
+
 def profile(
     models,
     tree: TreeConfig,
@@ -119,6 +132,8 @@ def profile(
     scale = cycle_s * cycles / max(sum(traced.values()), 1e-12)
     tau = emitted / (cycles * batch)
     c = cycle_s / step_s - 1
+    cycle_flops = cost.cost_of(spec_compiled).flops  # the loop's body, counted once: one cycle
+    peak = matmul_flops_per_s(tparams["embed"].dtype)
     return {
         "tree": str(tree),
         "batch": batch,
@@ -131,6 +146,11 @@ def profile(
         "c": c,
         "tau": tau,
         "decode_speedup": tau / (1 + c),
+        "cycle_mflop": cycle_flops / 1e6,
+        "plain_step_mflop": cost.cost_of(plain_compiled).flops / 1e6,
+        "matmul_gflops": peak / 1e9,
+        "cycle_floor_ms": 1000 * cycle_flops / peak,
+        "c_floor": cycle_flops / peak / step_s - 1,
         "phases_ms": {name: 1000 * traced.get(name, 0.0) * scale / cycles for name in (*profiling.PHASES, "other")},
         "cycle_ops": profiling.op_census(spec_compiled),
         "plain_step_ops": profiling.op_census(plain_compiled),
@@ -144,6 +164,9 @@ def render(r: dict) -> str:
         f"span {r['span']}, {r['device']}",
         f"plain step {r['plain_step_ms']:.3f} ms | cycle {r['cycle_ms']:.3f} ms | c {r['c']:.2f} | "
         f"tau {r['tau']:.2f} | decode speedup tau/(1+c) {r['decode_speedup']:.2f}x",
+        f"floor: the cycle's {r['cycle_mflop']:.1f} MFLOP at this machine's best matmul rate "
+        f"({r['matmul_gflops']:.0f} GFLOP/s) take >= {r['cycle_floor_ms']:.3f} ms, "
+        f"{r['c_floor'] + 1:.2f} plain steps: c >= {r['c_floor']:.2f} (plain step {r['plain_step_mflop']:.1f} MFLOP)",
         "",
         "phase            ms/cycle   share  (x plain step)",
     ]

@@ -311,7 +311,7 @@ def test_an_unwritable_report_folder_is_refused_before_any_work(tmp_path, monkey
 
 def test_profile_names_where_the_cycle_spends_its_time(tmp_path, capsys):
     """infer.profile on the demo pair: the traced ops land in the named phases (not in 'other'), the census
-    counts ops, and forward widths are timed."""
+    counts ops, forward widths are timed, and the flops floor lies under the measured cycle."""
     from infer import profile
 
     out = tmp_path / "profile.json"
@@ -325,3 +325,8 @@ def test_profile_names_where_the_cycle_spends_its_time(tmp_path, capsys):
     assert sum(r["cycle_ops"].values()) > 0 and r["plain_step_ops"]["dot"] > 0
     assert set(r["forward_ms_by_width"]) == {"1", "4"} and min(r["forward_ms_by_width"].values()) > 0
     assert "target forward over T tokens per row (x one token)" in capsys.readouterr().out
+    # the floor: this cycle's flops at the machine's best matmul rate, below what the cycle took and what c is
+    assert r["cycle_mflop"] > r["plain_step_mflop"] > 0 and r["matmul_gflops"] > 0
+    assert r["cycle_floor_ms"] == pytest.approx(r["cycle_mflop"] / r["matmul_gflops"], rel=1e-6)
+    assert 0 < r["cycle_floor_ms"] < r["cycle_ms"] and r["c_floor"] < r["c"]
+    assert r["c_floor"] == pytest.approx(r["cycle_floor_ms"] / r["plain_step_ms"] - 1, rel=1e-6)
