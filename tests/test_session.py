@@ -12,6 +12,7 @@ from eagle_jax.errors import EagleError
 
 TREE = DynamicTree(total_tokens=16, depth=4, top_k=4)
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CAPACITY = 512  # of the sessions and of the from-scratch references alike: each shape compiles once
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +71,13 @@ def test_turns_equal_decoding_from_scratch(pair, tree):
     """Each turn's answer equals generating the whole conversation from scratch, while the caches keep all
     but the last token of what they already held (the earlier prompts and answers)."""
     tparams, tcfg, dparams, dcfg = pair
-    talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=512, chunks=(64, 16))
+    talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=CAPACITY, chunks=(64, 16))
     prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
     for prompt, answer, accepted in zip(prompts, answers, accepts):
         if tree is None:
-            assert answer == plain.generate(tparams, tcfg, [prompt], 20, capacity=512).tokens[0]
+            assert answer == plain.generate(tparams, tcfg, [prompt], 20, capacity=CAPACITY).tokens[0]
         else:  # the head drafts from the same context too: the same cycles accept the same drafts
-            expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree, capacity=512)
+            expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree, capacity=CAPACITY)
             assert answer == expected.tokens[0] and accepted == expected.accept_lengths[0]
     assert kept[0] == 0
     for before, answer, now in zip(prompts, answers, kept[1:]):
@@ -86,7 +87,7 @@ def test_turns_equal_decoding_from_scratch(pair, tree):
 def test_a_changed_conversation_drops_what_differs(pair):
     """A prompt that shares only part of what the caches hold (an edited earlier turn) keeps that part."""
     tparams, tcfg, dparams, dcfg = pair
-    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=512, chunks=(32,))
+    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=CAPACITY, chunks=(32,))
     first = list(range(10, 70))
     list(talk.reply(first, 8))
     edited = first[:25] + [3, 4, 5] + first[25:]
@@ -99,11 +100,11 @@ def test_sampled_turns_equal_sampling_from_scratch(pair):
     """With the same seed a sampled turn draws exactly what `speculative.generate` draws from scratch."""
     tparams, tcfg, dparams, dcfg = pair
     sc = SamplingConfig(temperature=0.9, top_p=0.95)
-    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, sc, capacity=512, chunks=(32,))
+    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, sc, capacity=CAPACITY, chunks=(32,))
     prompts, answers, _, _ = _conversation(talk, 20, 3, 16, np.random.default_rng(2), seed_base=5)
     for turn, (prompt, answer) in enumerate(zip(prompts, answers)):
         expected = speculative.generate(
-            tparams, tcfg, dparams, dcfg, [prompt], 16, TREE, sc, seed=5 + turn, capacity=512
+            tparams, tcfg, dparams, dcfg, [prompt], 16, TREE, sc, seed=5 + turn, capacity=CAPACITY
         )
         assert answer == expected.tokens[0]
 
