@@ -4,6 +4,7 @@ and the cost table measure): float32 compute, the same cache layout both ways, e
 from __future__ import annotations
 
 import functools
+import json
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import numpy as np
 from eagle_jax.decoding import plain, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.training import data
 
@@ -146,3 +148,28 @@ class Runner:
                     speculative.run_span(self.tparams, self.dparams, state, span=span, **self._static())
                 )
         self._warm.add(shape)
+
+
+def read_questions(path: Path, limit: int | None) -> list[dict]:
+    """The first `limit` (all when None) questions of a JSONL file: {question_id, category, turns}."""
+    if not path.is_file():
+        raise EagleError(f"{path}: question file not found")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EagleError(f"{path}:{n}: not JSON ({exc.msg})") from None
+        turns = q.get("turns") if isinstance(q, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise EagleError(f"{path}:{n}: expected an object with 'turns' (a non-empty list of strings)")
+        out.append(
+            {"question_id": q.get("question_id", n), "category": str(q.get("category") or path.stem), "turns": turns}
+        )
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise EagleError(f"{path}: no questions")
+    return out

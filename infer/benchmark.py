@@ -37,36 +37,11 @@ from tqdm import tqdm
 
 from cli import budget as cli_budget
 from cli import command, demo
-from cli.timing import Runner
+from cli.timing import Runner, read_questions
 from eagle_jax.decoding import acceptance, budget
 from eagle_jax.decoding.tree import DynamicTree, check_fits, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
-
-
-def read_questions(path: Path, limit: int | None) -> list[dict]:
-    if not path.is_file():
-        raise EagleError(f"{path}: question file not found")
-    out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            q = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EagleError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        turns = q.get("turns") if isinstance(q, dict) else None
-        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
-            raise EagleError(f"{path}:{n}: expected an object with 'turns' (a non-empty list of strings)")
-        out.append(
-            {"question_id": q.get("question_id", n), "category": str(q.get("category") or path.stem), "turns": turns}
-        )
-        if limit is not None and len(out) >= limit:
-            break
-    if not out:
-        raise EagleError(f"{path}: no questions")
-    return out
-
 
 # ---------------------------------------------------------------- statistics
 

@@ -1,7 +1,8 @@
 """Cost table on the machine at hand: speculative vs plain decoding of the golden pair, ours and (optionally) official.
 
     python -m infer.cost_table [--target tests/golden/target --draft tests/golden/eagle3]
-        [--prompts-npz tests/golden/reference.npz] [--envelopes 60/7/10,16/4/4,5/4/1] [--batches 1,8]
+        [--prompts-npz tests/golden/reference.npz | --questions FILE --limit 4]
+        [--envelopes 60/7/10,16/4/4,5/4/1] [--batches 1,8]
         [--max-new-tokens 64] [--repeats 3] [--official-python PY --eagle-repo DIR [--threads 1]] [--json OUT]
 
 Greedy decoding of the golden prompts (p{i}.input_ids of reference.npz). Batch 1 decodes the prompts one at
@@ -31,7 +32,7 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import command
-from cli.timing import Runner
+from cli.timing import Runner, read_questions
 from eagle_jax.decoding import budget, cost
 from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
@@ -67,9 +68,22 @@ def figures(spec: list[list[dict]], plain: list[list[dict]], speculative: bool =
         "speedup": spec_tps / plain_tps,
         "tau": spec_tokens / max(1, row_cycles),
         "c": cost.overhead(cycle_s, step_s) if speculative else None,
+        "cycle_ms": 1000 * cycle_s if speculative else None,
+        "plain_step_ms": 1000 * step_s,
         "new_tokens": spec_tokens,
         "identical": all(s["tokens"] == p["tokens"] for s, p in zip(spec[0], plain[0], strict=True)),
     }
+
+
+def npz_prompts(path: str) -> list[list[int]]:
+    """The token ids p{i}.input_ids of a reference .npz (the golden prompts)."""
+    ref = np.load(path)
+    return [ref[f"p{i}.input_ids"].tolist() for i in range(len(ref.files)) if f"p{i}.input_ids" in ref.files]
+
+
+def question_prompts(runner: Runner, path: Path, limit: int) -> list[list[int]]:
+    """The first turns of the first `limit` questions of a JSONL file, in the target's chat template."""
+    return [runner.prompt([{"role": "user", "content": q["turns"][0]}]) for q in read_questions(path, limit)]
 
 
 def time_setting(runner: Runner, tree: DynamicTree | None, batches: list[list[list[int]]], repeats: int) -> dict:
@@ -118,7 +132,8 @@ def run_official(args, envelopes: list[DynamicTree]) -> dict:
 
 def table(report: dict) -> str:
     official = any("official" in r for r in report["rows"])
-    cols = ["batch", "envelope", "spec tok/s", "plain tok/s", "speedup", "tau", "c", "identical"]
+    cols = ["batch", "envelope", "spec tok/s", "plain tok/s", "speedup", "tau", "cycle ms", "plain step ms", "c"]
+    cols.append("identical")
     if official:
         cols += ["official spec tok/s", "official plain tok/s", "official c", "spec ours/official"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -131,6 +146,8 @@ def table(report: dict) -> str:
             f"{r['plain_tokens_per_s']:.1f}",
             f"{r['speedup']:.2f}x",
             f"{r['tau']:.2f}",
+            "-" if r.get("cycle_ms") is None else f"{r['cycle_ms']:.2f}",
+            "-" if r.get("plain_step_ms") is None else f"{r['plain_step_ms']:.2f}",
             "-" if r["c"] is None else f"{r['c']:.2f}",
             "yes" if r["identical"] else "NO",
         ]
@@ -161,6 +178,8 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--target", default=str(GOLDEN / "target"))
     p.add_argument("--draft", default=str(GOLDEN / "eagle3"))
     p.add_argument("--prompts-npz", default=str(GOLDEN / "reference.npz"))
+    p.add_argument("--questions", help="first turns of these questions (JSONL) in the target's chat template instead")
+    p.add_argument("--limit", type=int, default=4, help="with --questions: the first N")
     p.add_argument("--envelopes", default=ENVELOPES, help="TOTAL/DEPTH/TOP_K, comma-separated")
     p.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -175,9 +194,8 @@ def _main(argv: Sequence[str] | None) -> int:
     envelopes = parse_envelopes(a.envelopes)
     with command.flag("--batches"):
         batch_sizes = [int(b) for b in a.batches.split(",")]
-    ref = np.load(a.prompts_npz)
-    prompts = [ref[f"p{i}.input_ids"].tolist() for i in range(len(ref.files)) if f"p{i}.input_ids" in ref.files]
     runner = Runner(a.target, a.draft, 0.0, a.max_new_tokens, 1 << 20)
+    prompts = question_prompts(runner, Path(a.questions), a.limit) if a.questions else npz_prompts(a.prompts_npz)
     settings: list[tuple[int, DynamicTree | None, bool]] = []
     for b in batch_sizes:
         settings += [(b, t, False) for t in envelopes]
@@ -195,7 +213,7 @@ def _main(argv: Sequence[str] | None) -> int:
     report = {
         "target": command.shown_path(a.target),
         "draft": command.shown_path(a.draft),
-        "prompts": f"{command.shown_path(a.prompts_npz)} ({len(prompts)} prompts)",
+        "prompts": f"{command.shown_path(a.questions or a.prompts_npz)} ({len(prompts)} prompts)",
         "max_new_tokens": a.max_new_tokens,
         "repeats": a.repeats,
         "load_average": os.getloadavg(),

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,8 +194,8 @@ def test_warm_up_compiles_every_span(golden_with_template):
 
 
 def test_read_questions_errors(tmp_path):
+    from cli.timing import read_questions
     from eagle_jax.errors import EagleError
-    from infer.benchmark import read_questions
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"question_id": 1, "turns": "not a list"}\n')
@@ -330,3 +331,33 @@ def test_profile_names_where_the_cycle_spends_its_time(tmp_path, capsys):
     assert r["cycle_floor_ms"] == pytest.approx(r["cycle_mflop"] / r["matmul_gflops"], rel=1e-6)
     assert 0 < r["cycle_floor_ms"] < r["cycle_ms"] and r["c_floor"] < r["c"]
     assert r["c_floor"] == pytest.approx(r["cycle_floor_ms"] / r["plain_step_ms"] - 1, rel=1e-6)
+
+
+# The compiled cycle's op census on the golden pair at 5/4/1 (8 target layers), as XLA:CPU compiles it today: one
+# op more per target layer, a copy more per cycle, or a copy of a whole KV cache fails here. The cycle's time on a
+# latency-bound target follows its op count (each op is a dispatched kernel), so this catches a slower cycle where
+# timings on a shared machine cannot.
+CYCLE_OPS, CYCLE_COPIES = 519, 19
+
+
+def test_the_cycle_keeps_its_op_census(golden_dir, golden_target):
+    from eagle_jax.decoding import profiling, speculative
+    from eagle_jax.decoding.sampling import SamplingConfig
+    from eagle_jax.decoding.tree import DynamicTree
+    from eagle_jax.io import loading
+
+    tcfg, tparams = golden_target
+    dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
+    tree = DynamicTree(5, 4, 1)
+    p = speculative.prepare([[5, 6, 7, 8, 9, 10]], 16, tree, tcfg)
+    static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=SamplingConfig())
+    key = jax.random.key(0)
+    state = speculative.prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
+    compiled = speculative.run_span.lower(tparams, dparams, state, span=p.capacity, **static).compile()
+    census = profiling.op_census(compiled)
+    total = sum(census.values())
+    assert total < CYCLE_OPS + tcfg.num_layers, f"the cycle has {total} ops (was {CYCLE_OPS}): {census}"
+    assert census.get("copy", 0) <= CYCLE_COPIES, f"the cycle has {census.get('copy')} copies (was {CYCLE_COPIES})"
+    cache = "f32[" + ",".join(map(str, state.target_cache.k.shape)) + "]"
+    whole = [line for line in compiled.as_text().splitlines() if f"= {cache}" in line and " copy(" in line]
+    assert not whole, f"the cycle copies a whole KV cache: {whole[:2]}"

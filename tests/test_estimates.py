@@ -85,17 +85,20 @@ def test_cost_table_figures_by_hand():
     assert f["plain_tokens_per_s"] == 10 / 4.0
     assert f["speedup"] == 1.0 and f["tau"] == 10 / 4 and f["identical"]
     assert f["c"] == pytest.approx((2.8 / 4) / (3.2 / 8) - 1)  # median decode 2.8 s / 4 cycles vs 3.2 s / 8 steps
+    assert f["cycle_ms"] == pytest.approx(700) and f["plain_step_ms"] == pytest.approx(400)
     plain[0][1]["tokens"] = [[3] * 4]
     assert not cost_table.figures(spec, plain)["identical"]
     assert cost_table.figures(spec, plain, speculative=False)["c"] is None
+    assert cost_table.figures(spec, plain, speculative=False)["cycle_ms"] is None
 
 
 def test_cost_table_markdown():
     row = {"batch": 1, "envelope": "5/4/1", "budget": False, "spec_tokens_per_s": 20.0, "plain_tokens_per_s": 10.0}
-    row |= {"speedup": 2.0, "tau": 3.0, "c": 0.5, "identical": True}
+    row |= {"speedup": 2.0, "tau": 3.0, "cycle_ms": 1.5, "plain_step_ms": 1.0, "c": 0.5, "identical": True}
     official = {"spec_tokens_per_s": 5.0, "plain_tokens_per_s": 4.0, "c": 1.25}
-    text = cost_table.table({"rows": [row, {**row, "batch": 8, "budget": True, "c": None}]})
-    assert "| 1 | 5/4/1 | 20.0 | 10.0 | 2.00x | 3.00 | 0.50 | yes |" in text
+    text = cost_table.table({"rows": [row, {**row, "batch": 8, "budget": True, "c": None, "cycle_ms": None}]})
+    assert "| 1 | 5/4/1 | 20.0 | 10.0 | 2.00x | 3.00 | 1.50 | 1.00 | 0.50 | yes |" in text
+    assert "| 8 | 5/4/1 (budget) | 20.0 | 10.0 | 2.00x | 3.00 | - | 1.00 | - | yes |" in text
     assert "| 8 | 5/4/1 (budget) |" in text and "official" not in text
     text = cost_table.table({"rows": [{**row, "official": official}, {**row, "batch": 8}]})
     assert "| 5.0 | 4.0 | 1.25 | 4.00x |" in text and text.endswith("| - | - | - | - |")
