@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from cli import compile_cache
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed
 
@@ -81,12 +82,14 @@ def run(
     setting it is about (`flag_of`; `flags` maps settings whose flag is not `--` + their name).
 
     Python warnings raised meanwhile (e.g. a clamped token budget) print as one `warning:` line.
-    On a multi-host launch (see `eagle_jax.distributed`) JAX's distributed runtime starts first.
+    On a multi-host launch (see `eagle_jax.distributed`) JAX's distributed runtime starts first, then the
+    persistent compilation cache (`cli.compile_cache`) is switched on.
     """
     previous = warnings.showwarning
     warnings.showwarning = _show_warning
     try:
         distributed.maybe_initialize()
+        compile_cache.enable()
         return int(main(argv) or 0)
     except EagleError as exc:
         print(f"error: {message(exc, flags)}", file=sys.stderr, flush=True)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from cli import compile_cache
 from eagle_jax.decoding import plain, schedule
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.new_tokens < 2 or args.prompt_len < 1 or not batches or min(batches) < 1:
         raise EagleError("need --new-tokens >= 2, --prompt-len >= 1 and positive --batch-sizes")
 
+    compile_cache.enable()
     cfg = BENCH_CONFIG
     specs = with_dtype(target.param_specs(cfg), jnp.dtype(args.dtype))
     params = jax.block_until_ready(init_params(specs, jax.random.key(0)))

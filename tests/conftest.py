@@ -8,6 +8,7 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["EAGLE_JAX_CACHE"] = tempfile.mkdtemp(prefix="eagle-jax-cache-")  # measured budgets stay out of $HOME
+os.environ["EAGLE_JAX_COMPILE_CACHE"] = "0"  # no run depends on another; tests/test_compile_cache.py turns it on
 
 from pathlib import Path  # noqa: E402
 
