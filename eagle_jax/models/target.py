@@ -8,6 +8,7 @@ the tree mask during verification).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -115,7 +116,7 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 
 
 def _attention(
-    p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v, layer: int, slots, mask, span: int
+    p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v, layer, slots, mask, span: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     b, t, _ = x.shape
     q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
@@ -132,8 +133,12 @@ def _attention(
     return out, cache_k, cache_v
 
 
-def _decoder_layer(p: dict, cfg: TargetConfig, x: jax.Array, positions, ck, cv, layer: int, slots, mask, span: int):
-    """One pre-norm decoder layer: attention then (dense or sparse) MLP, each with a residual."""
+@functools.partial(jax.jit, static_argnames=("cfg", "span"))
+def _decoder_layer(p: dict, cfg: TargetConfig, x: jax.Array, positions, ck, cv, layer, slots, mask, span: int):
+    """One pre-norm decoder layer: attention then (dense or sparse) MLP, each with a residual.
+
+    Jitted with the layer index as an argument, so a forward traces and lowers one layer, not every layer
+    (XLA inlines the calls: the compiled program is the same)."""
     attn, ck, cv = _attention(
         p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ck, cv, layer, slots, mask, span
     )
