@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from badinput import assert_refused, snapshot
+from procs import finish, launch
 from safetensors.numpy import load_file, save_file
 
 from cli import demo, presets
@@ -33,23 +34,6 @@ UPSTREAM_TREE = ["--total-tokens", "60", "--depth", "7", "--tree-top-k", "10"]  
 def env(tmp_path_factory) -> dict[str, str]:
     """Subprocess environment: CPU, and one persistent compilation cache shared by the runs."""
     return {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("xla"))}
-
-
-def launch(args: list[str], env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "infer.generate", *args],
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-
-
-def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    out, err = proc.communicate(timeout=300)
-    return proc.returncode, out, err
 
 
 def run(args: list[str], env: dict[str, str]) -> tuple[int, str, str]:

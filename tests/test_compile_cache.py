@@ -5,36 +5,27 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from procs import finish, launch
 
 from cli import compile_cache
 
-ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = ROOT / "tests" / "golden"
+GOLDEN = Path(__file__).resolve().parent / "golden"
 ARGS = ["--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "eagle3"), "--prompt-ids", "5,6,7,8,9"]
 ARGS += ["--max-new-tokens", "6", "--total-tokens", "5", "--depth", "4", "--tree-top-k", "1", "--no-stream"]
 
 
-def launch(root: Path) -> subprocess.Popen:
+def started(root: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env |= {"EAGLE_JAX_CACHE": str(root), compile_cache.OFF: "1", "JAX_LOG_COMPILES": "1", "JAX_PLATFORMS": "cpu"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "infer.generate", *ARGS],
-        cwd=ROOT,
-        env=env,
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
+    return launch(ARGS, env)
 
 
-def finish(proc: subprocess.Popen) -> tuple[str, str]:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 0, err[-2000:]
+def finished(proc: subprocess.Popen) -> tuple[str, str]:
+    code, out, err = finish(proc)
+    assert code == 0, err[-2000:]
     return out, err
 
 
@@ -45,20 +36,20 @@ def loaded(err: str) -> bool:
 
 def test_a_second_process_loads_what_the_first_compiled(tmp_path):
     root = tmp_path / "cache"
-    first, second = launch(root), launch(root)  # two processes start at once on an empty cache
-    (out_a, err_a), (out_b, _) = finish(first), finish(second)
+    first, second = started(root), started(root)  # two processes start at once on an empty cache
+    (out_a, err_a), (out_b, _) = finished(first), finished(second)
     assert out_a == out_b and out_a.strip()
     folders = list((root / "jax").iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("jax") and "-cpu-" in folders[0].name, folders
     assert list(folders[0].glob("jit_run_loop-*-cache")) and not loaded(err_a)
 
-    out, err = finish(launch(root))
+    out, err = finished(started(root))
     assert out == out_a
     assert loaded(err), err[-3000:]
 
     for entry in folders[0].glob("*-cache"):  # every entry damaged: compiled again, same answer, no crash
         entry.write_bytes(b"not an executable")
-    out, err = finish(launch(root))
+    out, err = finished(started(root))
     assert out == out_a and not loaded(err)
     damaged = "warning: Error reading persistent compilation cache entry"
     assert any(line.startswith(damaged) for line in err.splitlines())
