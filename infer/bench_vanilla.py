@@ -9,18 +9,18 @@ from prefill). The random model never stops early: it has no eos ids.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from cli import compile_cache
+from cli import command
 from eagle_jax.decoding import plain, schedule
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
@@ -81,8 +81,8 @@ def bench_batch(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _main(argv: Sequence[str] | None) -> int:
+    ap = command.ArgumentParser(prog="python -m infer.bench_vanilla", description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -94,7 +94,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.new_tokens < 2 or args.prompt_len < 1 or not batches or min(batches) < 1:
         raise EagleError("need --new-tokens >= 2, --prompt-len >= 1 and positive --batch-sizes")
 
-    compile_cache.enable()
     cfg = BENCH_CONFIG
     specs = with_dtype(target.param_specs(cfg), jnp.dtype(args.dtype))
     params = jax.block_until_ready(init_params(specs, jax.random.key(0)))
@@ -122,10 +121,12 @@ def main(argv: list[str] | None = None) -> None:
         }
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return command.run(_main, argv)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except EagleError as exc:
-        sys.exit(f"error: {exc}")
+    sys.exit(main())

@@ -132,8 +132,8 @@ def run_official(args, envelopes: list[DynamicTree]) -> dict:
 
 def table(report: dict) -> str:
     official = any("official" in r for r in report["rows"])
-    cols = ["batch", "envelope", "spec tok/s", "plain tok/s", "speedup", "tau", "cycle ms", "plain step ms", "c"]
-    cols.append("identical")
+    cols = ["batch", "envelope", "spec tok/s", "plain tok/s", "speedup", "tau"]
+    cols += ["cycle ms", "plain step ms", "c", "identical"]
     if official:
         cols += ["official spec tok/s", "official plain tok/s", "official c", "spec ours/official"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -146,9 +146,7 @@ def table(report: dict) -> str:
             f"{r['plain_tokens_per_s']:.1f}",
             f"{r['speedup']:.2f}x",
             f"{r['tau']:.2f}",
-            "-" if r.get("cycle_ms") is None else f"{r['cycle_ms']:.2f}",
-            "-" if r.get("plain_step_ms") is None else f"{r['plain_step_ms']:.2f}",
-            "-" if r["c"] is None else f"{r['c']:.2f}",
+            *("-" if r.get(k) is None else f"{r[k]:.2f}" for k in ("cycle_ms", "plain_step_ms", "c")),
             "yes" if r["identical"] else "NO",
         ]
         if official:

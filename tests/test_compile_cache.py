@@ -68,6 +68,7 @@ def test_the_cache_can_be_turned_off_and_respects_a_users_jax_setting(tmp_path, 
 @pytest.mark.parametrize("kind", ["TPU v5 lite", "cpu"])
 def test_the_folder_names_versions_platform_and_device_kind(tmp_path, monkeypatch, kind):
     import jax
+    import jaxlib
 
     class Device:
         platform, device_kind = "tpu" if "TPU" in kind else "cpu", kind
@@ -75,4 +76,4 @@ def test_the_folder_names_versions_platform_and_device_kind(tmp_path, monkeypatc
     monkeypatch.setenv("EAGLE_JAX_CACHE", str(tmp_path))
     monkeypatch.setattr(jax, "devices", lambda: [Device()])
     name = compile_cache.folder().relative_to(tmp_path / "jax").as_posix()
-    assert name == f"jax{jax.__version__}-jaxlib{jax.__version__}-{Device.platform}-{kind.replace(' ', '_')}", name
+    assert name == f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{Device.platform}-{kind.replace(' ', '_')}", name
