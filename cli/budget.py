@@ -16,7 +16,6 @@ from pathlib import Path
 
 from cli import demo
 from eagle_jax.decoding import budget
-from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
@@ -51,34 +50,37 @@ def _read(path: Path) -> budget.Budget | None:
     return found if found.device == budget.device_kind() else None
 
 
-def _cache_key(models, paths: tuple[Path, Path]) -> str:
+def _cache_key(models, paths: tuple[Path, Path | None]) -> str:
     tcfg, _, dcfg, _ = models
-    text = repr((str(paths[0].absolute()), str(paths[1].absolute()), tcfg, dcfg, budget.device_kind()))
+    head = str(paths[1].absolute()) if paths[1] is not None else "context"
+    text = repr((str(paths[0].absolute()), head, tcfg, dcfg, budget.device_kind()))
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def default_tree(
     models,
-    paths: tuple[Path, Path],
+    paths: tuple[Path, Path | None],
     batch: int,
     calibration: list[list[int]],
     recalibrate: bool = False,
     log: Callable[[str], None] = print,
     measure: bool = True,
-) -> DynamicTree | None:
+) -> budget.Envelope | None:
     """The envelope for `batch` rows (None: plain decoding wins here), from the head's budget.json, the cache,
     or measured now on the `calibration` prompts and cached (unless not `measure`). models: (tcfg, tparams,
-    dcfg, dparams); paths: (target, draft)."""
+    dcfg, dparams); paths: (target, draft; None without a head, whose budget lives in the cache only)."""
     cached = cache_dir() / "budget" / f"{_cache_key(models, paths)}.json"
-    for path in () if recalibrate else (Path(paths[1]) / BUDGET_FILE, cached):
+    shipped = () if paths[1] is None else (Path(paths[1]) / BUDGET_FILE,)
+    for path in () if recalibrate else (*shipped, cached):
         found = _read(path)
         if found is not None and batch in found.choices:
             return found.choices[batch]
     if not measure:
+        where = shipped[0] if shipped else cached
         raise EagleError(
-            f"no measured draft-tree envelope for batch {batch} in {Path(paths[1]) / BUDGET_FILE} or {cached}; "
+            f"no measured draft-tree envelope for batch {batch} in {' or '.join(map(str, (*shipped, cached)))}; "
             f"measure one on a single host (python -m infer.benchmark --auto-budget --save-budget "
-            f"{Path(paths[1]) / BUDGET_FILE} --budget-batches {batch}) or decode plainly"
+            f"{where} --budget-batches {batch}) or decode plainly"
         )
     log(f"measuring draft-tree envelopes for batch {batch} on this machine (once; cached in {cached.parent})")
     tcfg, tparams, dcfg, dparams = models

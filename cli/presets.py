@@ -75,12 +75,19 @@ def target_folder(target: str | None, preset: Preset | None, models_root: str | 
     return Path(target) if target else preset.model_dir("target", models_root)
 
 
+CONTEXT_DRAFT = "context"  # --draft context: speculate with prompt-lookup candidates, no head
+DRAFT_HELP = "store or official EAGLE head folder, or 'context' (no head: drafts copied from the context)"
+
+
 def model_dirs(
     target: str | None, draft: str | None, preset: Preset | None, models_root: str | None, fallback: str = ""
-) -> tuple[Path, Path]:
-    """(target, draft) folders: the flags first, then a store's own head, then the preset's folders. Without a
-    head, a missing or broken target is named first, then the missing head (`fallback` adds the other way out)."""
+) -> tuple[Path, Path | None]:
+    """(target, draft) folders: the flags first, then a store's own head, then the preset's folders; draft None
+    for `--draft context` (no head: candidates from the context alone). Without a head, a missing or broken
+    target is named first, then the missing head (`fallback` adds the other way out)."""
     target_dir = target_folder(target, preset, models_root)
+    if draft == CONTEXT_DRAFT:
+        return target_dir, None
     if draft:
         return target_dir, Path(draft)
     if loading.holds_draft(target_dir):
@@ -88,7 +95,10 @@ def model_dirs(
     if preset is not None:
         return target_dir, preset.model_dir("draft", models_root)
     loading.target_config(target_dir)
-    raise EagleError(f"no draft head: {target_dir} holds none; pass --draft DIR{fallback}")
+    raise EagleError(
+        f"no draft head: {target_dir} holds none; pass --draft DIR, or --draft {CONTEXT_DRAFT} for drafts from the "
+        f"context{fallback}"
+    )
 
 
 def _model_ref(raw: Any, where: str, extra: tuple[str, ...] = ()) -> ModelRef:

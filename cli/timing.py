@@ -13,14 +13,15 @@ import numpy as np
 
 from eagle_jax.decoding import plain, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.decoding.tree import TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.training import data
 
 
 class Runner:
-    """One target + draft + tokenizer; times plain and speculative generation of a batch of prompts."""
+    """One target + draft head (or none: drafts from the context) + tokenizer; times plain and speculative
+    generation of a batch of prompts."""
 
     def __init__(
         self,
@@ -33,16 +34,18 @@ class Runner:
         seed: int = 0,
     ):
         # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
-        self.paths = (Path(target_dir), Path(draft_dir))
+        self.paths = (Path(target_dir), None if draft_dir is None else Path(draft_dir))
         self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32)
-        self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)
+        self.dcfg = self.dparams = None
+        if draft_dir is not None:
+            self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)
         self.tparams, self.dparams = jax.device_put((self.tparams, self.dparams))
         self.chat_template = chat_template
         self.sampling = SamplingConfig(temperature=temperature)
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
-        self.tree: DynamicTree | None = None
+        self.tree: TreeConfig | None = None
         self._warm: set = set()
 
     @functools.cached_property
@@ -54,7 +57,7 @@ class Runner:
     def models(self) -> tuple:
         return self.tcfg, self.tparams, self.dcfg, self.dparams
 
-    def set_tree(self, tree: DynamicTree | None) -> None:
+    def set_tree(self, tree: TreeConfig | None) -> None:
         """The envelope of the speculative side; None: plain decoding there too."""
         self.tree = tree
         self._warm = set()
@@ -74,8 +77,13 @@ class Runner:
             prompts, max_new_tokens, overhead, None, self.tcfg.rope.max_position_embeddings, self.tcfg.pad_token_id or 0
         )
 
+    @property
+    def _head(self) -> tuple:
+        """(dparams, dcfg) the speculative side runs with (`speculative.head_for`)."""
+        return speculative.head_for(self.tree, self.dparams, self.dcfg)
+
     def _static(self) -> dict:
-        return dict(tcfg=self.tcfg, dcfg=self.dcfg, tree=self.tree, sampling=self.sampling)
+        return dict(tcfg=self.tcfg, dcfg=self._head[1], tree=self.tree, sampling=self.sampling)
 
     def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
         p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
@@ -108,11 +116,11 @@ class Runner:
         t0 = time.perf_counter()
         state = jax.block_until_ready(
             speculative.prefill(
-                self.tparams, self.dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **self._static()
+                self.tparams, self._head[0], p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **self._static()
             )
         )
         t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(self.tparams, self.dparams, state, **self._static()))
+        state = jax.block_until_ready(speculative.run(self.tparams, self._head[0], state, **self._static()))
         t2 = time.perf_counter()
         res = speculative.result(state)
         return {
@@ -142,10 +150,10 @@ class Runner:
             )
             if self.tree is not None:
                 state = speculative.prefill(
-                    self.tparams, self.dparams, p.tokens, p.lengths, few, key, capacity=p.capacity, **self._static()
+                    self.tparams, self._head[0], p.tokens, p.lengths, few, key, capacity=p.capacity, **self._static()
                 )
                 jax.block_until_ready(
-                    speculative.run_span(self.tparams, self.dparams, state, span=span, **self._static())
+                    speculative.run_span(self.tparams, self._head[0], state, span=span, **self._static())
                 )
         self._warm.add(shape)
 

@@ -2,7 +2,8 @@
 
     python -m infer.benchmark --questions data/eval/mt_bench.jsonl [--limit N] [--batch B] [--temperature 0]
         [--max-new-tokens N] [--target DIR --draft DIR] [--json OUT]
-        [--total-tokens N --depth D --tree-top-k K | --auto-budget [--save-budget FILE --budget-batches 1,4,8,16]]
+        [--total-tokens N --depth D --tree-top-k K] [--context K]
+        [--auto-budget [--save-budget FILE --budget-batches 1,4,8,16]]
 
 Questions are upstream's format (one JSON object a line: question_id, category, turns[]). A multi-turn
 question is answered turn by turn: each turn's prompt is the chat history (earlier user turns and the
@@ -12,17 +13,21 @@ process, speculatively and plainly, in alternating order, after a warm-up that c
 bucket (prefill and every attention span of its cache) outside the timings. Both use the same cache
 capacity, sized as infer.generate does (prompt bucket + budget + one tree). Times include prefill.
 
-Reported per file, per category and overall: tau (tokens per cycle), tokens/s both ways, speedup,
-c = (speculative cycle time) / (plain decode step time) - 1, measured in this run, n-alpha per depth
+Reported per file, per category, per turn (when questions have several) and overall: tau (tokens per
+cycle), tokens/s both ways, speedup, c = (speculative cycle time) / (plain decode step time) - 1, measured
+in this run, n-alpha per depth
 (acceptance rate at depth n given depth n-1 was accepted), and mismatches (greedy: questions whose
 speculative output differs from the plain one). Writes JSON (--json, default
 runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
 
 Without a tree the envelope is the one measured fastest on this machine for the batch size (the head's
 budget.json or a cached measurement, see `cli.budget`; plain decoding unless one wins by 5%). --auto-budget
-measures plain decoding and eleven envelopes (chains of 2-7 drafts, narrow and wide trees up to
-60 / 7 / 10) here, on calibration questions from the ends of the files, and uses the fastest;
---save-budget writes those measurements for --budget-batches as a budget.json.
+measures plain decoding and the candidate envelopes (`eagle_jax.decoding.budget.CANDIDATES`: the head's
+chains of 2-7 drafts, narrow and wide trees up to 60 / 7 / 10, context candidates alone and grafted onto
+chains and trees) here, on calibration questions from the ends of the files, and uses the fastest;
+--save-budget writes those measurements for --budget-batches as a budget.json. --context K adds K context
+candidates (prompt lookup in the row's own tokens) to the tree the flags give, or alone: the only drafts
+of `--draft context`, which needs no head.
 """
 
 from __future__ import annotations
@@ -36,10 +41,18 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import budget as cli_budget
-from cli import command, demo
+from cli import command, demo, presets
 from cli.timing import Runner, read_questions
 from eagle_jax.decoding import acceptance, budget
-from eagle_jax.decoding.tree import DynamicTree, check_fits, parse_envelopes
+from eagle_jax.decoding.tree import (
+    DynamicTree,
+    NoDraft,
+    check_fits,
+    envelope_from_json,
+    envelope_json,
+    envelope_name,
+    parse_envelopes,
+)
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
@@ -103,12 +116,7 @@ def markdown(report: dict) -> str:
             f"{s['tokens_per_s_plain']:.1f} | {sp} | {c} | {mm} |\n"
         )
 
-    t = report["tree"]
-    tree = (
-        "plain decoding"
-        if t is None
-        else f"tree total_tokens={t['total_tokens']} depth={t['depth']} top_k={t['top_k']}"
-    )
+    tree = "plain decoding" if report["tree"] is None else f"envelope {_envelope(report['tree'])}"
     lines = [
         f"# Benchmark: {report['target']} + {report['draft']}\n\n",
         f"{tree}{' (auto-budget)' if report.get('auto_budget') else ''}; batch {report['batch']}; temperature "
@@ -120,6 +128,8 @@ def markdown(report: dict) -> str:
         lines.append(row(name, s))
     for name, s in report["categories"].items():
         lines.append(row(f"{name} (category)", s))
+    for turn, s in report.get("by_turn", {}).items() if len(report.get("by_turn", {})) > 1 else ():
+        lines.append(row(f"turn {turn}", s))
     lines.append(
         "\nn-alpha (acceptance at depth n given depth n-1 accepted): "
         + ", ".join(f"{i + 1}: {a:.2f}" if a is not None else f"{i + 1}: -" for i, a in enumerate(report["n_alpha"]))
@@ -134,13 +144,13 @@ def markdown(report: dict) -> str:
     for b, rows in (report.get("auto_budget") or {}).get("measured", {}).items():
         lines.append(f"\nauto-budget, batch {b}:\n\n| envelope | tau | tokens/s |\n|---|---|---|\n")
         for r in rows:
-            name = (
-                "plain"
-                if r["tree"] is None
-                else "/".join(str(r["tree"][k]) for k in ("total_tokens", "depth", "top_k"))
-            )
-            lines.append(f"| {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |\n")
+            lines.append(f"| {_envelope(r['tree'])} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} |\n")
     return "".join(lines)
+
+
+def _envelope(doc: dict | None) -> str:
+    """A report's envelope by name: 5/4/1, 5/4/1+ctx7, ctx7 or plain."""
+    return envelope_name(envelope_from_json(doc))
 
 
 PNG_TITLE = "eagle-jax infer.benchmark"  # written into the PNG: how a rerun recognises its own plot
@@ -172,8 +182,7 @@ def plot(report: dict, path: Path) -> None:
     axes[2].set_xlabel("depth n")
     axes[2].set_ylabel("n-alpha")
     axes[2].set_ylim(0, 1)
-    t = report["tree"]
-    tree = "plain" if t is None else f"tree {t['total_tokens']}/{t['depth']}/{t['top_k']}"
+    tree = _envelope(report["tree"])
     fig.suptitle(
         f"tau {report['tau']:.2f}, speedup {report['speedup']:.2f}x, c {report['c']:.2f} ({tree}, batch "
         f"{report['batch']})"
@@ -193,11 +202,13 @@ def calibration_questions(files_: list[Path], n: int) -> list[dict]:
     return [t[i] for i in range(max(map(len, tails))) for t in tails if i < len(t)][:n]
 
 
-def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[DynamicTree | None, dict | None]:
+def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[budget.Envelope | None, dict | None]:
     """The envelope: the flags', or measured here (--auto-budget), or the machine's budget; with what
     --auto-budget measured."""
     if args.total_tokens is not None:
-        return DynamicTree(args.total_tokens, args.depth, args.tree_top_k), None
+        return DynamicTree(args.total_tokens, args.depth, args.tree_top_k, args.context or 0), None
+    if args.context is not None and not args.auto_budget:
+        return NoDraft(args.context), None
     calibration = [
         runner.prompt([{"role": "user", "content": q["turns"][0]}])
         for q in calibration_questions(files_, args.calibration_prompts)
@@ -227,7 +238,7 @@ def run_benchmark(args, log=print) -> dict:
     sets = {f.stem: read_questions(f, args.limit) for f in files_}
     runner = Runner(
         args.target,
-        args.draft,
+        None if args.draft == presets.CONTEXT_DRAFT else args.draft,
         args.temperature,
         args.max_new_tokens,
         args.max_prompt_tokens,
@@ -236,10 +247,10 @@ def run_benchmark(args, log=print) -> dict:
     )
     assert runner.tokenizer.chat_template  # questions are chat prompts: fail now if there is no template
     tree, auto = choose_tree(runner, args, files_, log)
-    if tree is not None:
+    if tree is not None and runner.dcfg is not None:
         check_fits(tree, runner.dcfg.draft_vocab_size)
     runner.set_tree(tree)
-    log(f"envelope for batch {args.batch}: {tree if tree else 'plain decoding (no envelope wins here)'}")
+    log(f"envelope for batch {args.batch}: {envelope_name(tree) if tree else 'plain decoding (no envelope wins here)'}")
     max_accept = tree.max_accept if tree else 0
     greedy = runner.sampling.greedy
     records: list[dict] = []
@@ -294,6 +305,7 @@ def run_benchmark(args, log=print) -> dict:
         "categories": {
             c: [r for r in records if r["category"] == c] for c in dict.fromkeys(r["category"] for r in records)
         },
+        "by_turn": {t + 1: [r for r in records if r["turn"] == t] for t in sorted({r["turn"] for r in records})},
     }
     report.update(
         {
@@ -303,9 +315,7 @@ def run_benchmark(args, log=print) -> dict:
             "max_new_tokens": args.max_new_tokens,
             "batch": args.batch,
             "device": budget.device_kind(),
-            "tree": None
-            if tree is None
-            else {"total_tokens": tree.total_tokens, "depth": tree.depth, "top_k": tree.top_k},
+            "tree": envelope_json(tree),
             "question_files": [str(f) for f in files_],
             **{kind: {n: summarise(rs, timings, max_accept) for n, rs in g.items()} for kind, g in groups.items()},
             "auto_budget": auto,
@@ -339,11 +349,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their last tokens")
     ap.add_argument("--target", default=None, help="default: the demo pair (see `cli.demo`)")
-    ap.add_argument("--draft", default=None, help="default: the demo pair's head")
+    ap.add_argument("--draft", default=None, help=f"{presets.DRAFT_HELP} (default: the demo pair's head)")
     ap.add_argument("--chat-template", default=None, help="jinja file, if the tokenizer has no chat template")
     ap.add_argument("--total-tokens", type=int, default=None, help="tree nodes including the root")
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--tree-top-k", type=int, default=None)
+    ap.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="context candidates per cycle grafted onto the tree (alone with --draft context)",
+    )
     ap.add_argument("--auto-budget", action="store_true", help="measure the envelopes here and use the fastest")
     ap.add_argument("--calibration-prompts", type=int, default=4, help="--auto-budget: calibration questions")
     ap.add_argument("--save-budget", default=None, help="--auto-budget: write the measurements as a budget.json")
@@ -351,7 +367,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--budget-candidates",
         default=None,
-        help="--auto-budget: envelopes to time, e.g. 3/2/1,5/4/1,16/4/4 (default: chains, narrow and wide trees)",
+        help="--auto-budget: envelopes to time, e.g. 3/2/1,5/4/1+ctx7,ctx7 (default: chains, narrow and wide "
+        "trees, context candidates alone and grafted on)",
     )
     ap.add_argument(
         "--json",
@@ -368,6 +385,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             "give all of --total-tokens, --depth, --tree-top-k, or none of them (with --auto-budget "
             "or the machine's budget choosing)"
         )
+    if args.draft == presets.CONTEXT_DRAFT and args.total_tokens is not None:
+        raise EagleError("--draft context has no head to grow a tree: give --context K alone")
+    if args.context is not None and args.auto_budget:
+        raise EagleError("--context names the envelope that --auto-budget would measure: give one of them")
     if args.save_budget and not args.auto_budget:
         raise EagleError("--save-budget writes what --auto-budget measures: add --auto-budget")
     if args.batch < 1:

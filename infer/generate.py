@@ -37,9 +37,18 @@ from jax.sharding import Mesh
 
 from cli import budget, command, demo, presets
 from eagle_jax.decoding import plain, programs, schedule, session, speculative
+from eagle_jax.decoding.budget import MARGIN
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult
-from eagle_jax.decoding.tree import DynamicTree, StaticTree, TreeConfig, check_fits, parse_static
+from eagle_jax.decoding.tree import (
+    DynamicTree,
+    NoDraft,
+    TreeConfig,
+    check_fits,
+    envelope_json,
+    envelope_name,
+    parse_static,
+)
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
 from eagle_jax.models.config import DRAFT_KINDS, DraftConfig, TargetConfig
@@ -95,24 +104,30 @@ def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig | None:
-    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's tree (else upstream's 60 / 7 / 10);
-    None when no tree is given at all (the budget chooses)."""
+    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's tree (else upstream's 60 / 7 / 10),
+    with --context K candidates from the context grafted on; --context alone: those candidates only; None when
+    no tree is given at all (the budget chooses)."""
     dynamic = {
         k: v
         for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k))
         if v is not None
     }
+    context = {} if a.context is None else {"context": a.context}
+    if a.draft == presets.CONTEXT_DRAFT and (dynamic or a.tree is not None):
+        raise EagleError("--draft context has no head to grow a tree: give --context K alone (or nothing)")
     if a.tree is not None:
         if dynamic:
             raise EagleError("--tree (a static tree) cannot be combined with --total-tokens/--depth/--tree-top-k")
         with command.flag("--tree"):
-            return parse_static(a.tree)
-    if not dynamic and (preset is None or a.auto_budget):
-        return None
-    base = preset.tree if preset is not None else DynamicTree()
+            return dataclasses.replace(parse_static(a.tree), **context)
     if not dynamic:
-        return base
-    return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic)
+        if context and not a.auto_budget:
+            return NoDraft(**context)
+        if preset is None or a.auto_budget or a.draft == presets.CONTEXT_DRAFT:
+            return None
+        return preset.tree
+    base = preset.tree if preset is not None else DynamicTree()
+    return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic, **context)
 
 
 def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> Settings:
@@ -171,6 +186,8 @@ def check_settings_fit(s: Settings, m: Models) -> None:
         )
     if s.tree is not None and m.dcfg is not None:
         check_fits(s.tree, m.dcfg.draft_vocab_size)
+    if s.tree is not None and s.tree.needs_head and m.dcfg is None:
+        raise EagleError(f"the tree {envelope_name(s.tree)} grows from a draft head: give --draft DIR")
 
 
 def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[Path, Path | None]:
@@ -217,7 +234,8 @@ def run_generation(
             m.tcfg.rope.max_position_embeddings,
         )
     on_new = on_new or (lambda new: None)
-    args = (m.tparams, m.tcfg, m.dparams, m.dcfg, prompts, s.max_new_tokens)
+    dparams, dcfg = speculative.head_for(s.tree, m.dparams, m.dcfg)
+    args = (m.tparams, m.tcfg, dparams, dcfg, prompts, s.max_new_tokens)
     t0 = time.perf_counter()
     if s.tree is None:
         if m.mesh is None:
@@ -304,11 +322,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
             "draft": str(m.draft_dir) if m.draft_dir else None,
             "draft_kind": m.dcfg.kind if m.dcfg else None,
             "speculative": s.tree is not None,
-            "tree": None
-            if tree is None
-            else {"static_paths": [list(p) for p in tree.paths]}
-            if isinstance(tree, StaticTree)
-            else dataclasses.asdict(tree),
+            "tree": envelope_json(tree),
             "sampling": dataclasses.asdict(s.sampling),
             "seed": s.seed,
             "max_new_tokens": o.max_new_tokens,
@@ -337,16 +351,12 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
     prefills only its new tokens, and after the start-up warm-up nothing compiles. The oldest turns are
     dropped when the conversation outgrows the cache."""
     capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
-    talk = session.Session(m.tparams, m.tcfg, m.dparams, m.dcfg, s.tree, s.sampling, capacity, mesh=m.mesh)
+    dparams, dcfg = speculative.head_for(s.tree, m.dparams, m.dcfg)
+    talk = session.Session(m.tparams, m.tcfg, dparams, dcfg, s.tree, s.sampling, capacity, mesh=m.mesh)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 read as U+FFFD, not a crash
-    print(
-        f"chatting with {m.target_dir.name}"
-        + (f" + {m.dcfg.kind.upper()} head" if m.dcfg and s.tree else "")
-        + "; /exit or end of input quits",
-        file=sys.stderr,
-    )
+    print(f"chatting with {pair_name(m, s.tree)}; /exit or end of input quits", file=sys.stderr)
     names = talk.programs()
     print(
         f"warm-up: {len(names)} programs ({', '.join(names)}) compiled in {talk.warm_up():.1f} s",
@@ -382,6 +392,16 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
         history.append({"role": "assistant", "content": tok.decode(talk.last.tokens, skip_special_tokens=True)})
 
 
+def pair_name(m: Models, tree: TreeConfig | None) -> str:
+    """What decodes: the target, and the drafts its tree takes (the head's, the context's), or plain decoding."""
+    if tree is None or not tree.drafts:
+        return f"{m.target_dir.name}, plain decoding"
+    sources = ([f"its {m.dcfg.kind.upper()} head"] if tree.needs_head else []) + (
+        ["drafts from the context"] if tree.context else []
+    )
+    return f"{m.target_dir.name} + {' and '.join(sources)} ({envelope_name(tree)})"
+
+
 def turn_line(t: session.TurnStats) -> str:
     """A chat turn's figures: prefill (and how much of the prompt the caches already held), decoding."""
     new = len(t.tokens)
@@ -406,9 +426,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)"
     )
     src.add_argument("--target", help="store directory, or Hugging Face model directory")
-    src.add_argument(
-        "--draft", help="store directory, or official EAGLE head directory (default: the target store's head)"
-    )
+    src.add_argument("--draft", help=f"{presets.DRAFT_HELP} (default: the target store's head)")
     src.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected)")
     src.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     src.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (default: preset, else one device)")
@@ -445,6 +463,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     tree.add_argument("--depth", type=int, help="expansion steps (depth + 1 draft levels)")
     tree.add_argument("--tree-top-k", type=int, help="children per node and frontier width")
     tree.add_argument("--tree", help="static tree: 'static' / 'mc_sim_7b_63' or a JSON list of rank paths")
+    tree.add_argument(
+        "--context",
+        type=int,
+        help="K candidates per cycle copied from the context (prompt lookup), grafted onto the tree; alone: "
+        "the only drafts (what --draft context uses)",
+    )
     tree.add_argument(
         "--auto-budget",
         action="store_true",
@@ -517,8 +541,8 @@ def _main(argv: Sequence[str] | None) -> int:
     single = len(prompts) == 1
     if a.demo:
         print(
-            f"demo: {m.target_dir.name} + its {m.dcfg.kind.upper() if m.dcfg else 'no'} head; "
-            f"{'speculative' if s.tree else 'plain'} answer to: {texts[0] if texts else prompts[0]}",
+            f"demo: {pair_name(m, s.tree)}; {'speculative' if s.tree else 'plain'} answer to: "
+            f"{texts[0] if texts else prompts[0]}",
             file=sys.stderr,
         )
     printer = (TextStream(tok) if tok is not None else _print_ids) if single else None
@@ -552,7 +576,7 @@ def resolve_tree(
         recalibrate,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
-    name = "plain decoding (no envelope beats it here)" if tree is None else f"tree {tree}"
+    name = "plain decoding (no envelope beats it here)" if tree is None else f"envelope {envelope_name(tree)}"
     print(f"batch {batch}: {name}", file=sys.stderr, flush=True)
     return dataclasses.replace(s, tree=tree, auto_tree=False)
 
@@ -567,6 +591,14 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
     """Time speculative and plain decoding of the prompts (on-device loops, after warm-up); print the plain
     answer and the speedup. Returns the figures for --json."""
     timed = dataclasses.replace(s, stream=False, warmup=True)
+    if s.tree is None:  # nothing to compare: plain decoding against itself would call noise a speedup
+        print(
+            "[speculation not used: no draft envelope beat plain decoding by "
+            f"{MARGIN:.0%} on this machine (its measured budget); the answer above is plain decoding's]",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {"speculative": False}
     spec = generate_timed(m, prompts, timed, None, shown.capacity)
     base = generate_timed(m, prompts, dataclasses.replace(timed, tree=None), None, shown.capacity)
     print("\nThe same with the target alone (plain decoding):")

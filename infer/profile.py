@@ -1,21 +1,23 @@
 """Where a speculative cycle spends its time, next to a plain decode step, on the machine at hand.
 
     python -m infer.profile [--target DIR --draft DIR] [--total-tokens 60 --depth 7 --tree-top-k 10 | --tree T]
-        [--batch 1] [--prompt-len 64] [--new-tokens 128] [--widths 1,2,4,8,16,32,64] [--dtype fp32] [--json OUT]
+        [--context K] [--batch 1] [--prompt-len 64] [--new-tokens 128] [--widths 1,2,4,8,16,32,64]
+        [--dtype fp32] [--json OUT]
 
-Both decoders run the same random prompts (B rows) after warm-up, as the jitted loops generation uses,
-over one attention span. Prints the plain step time, the cycle time, c = cycle / plain step - 1, tau
-and the speedup tau / (1 + c) decoding alone would give; the cycle split into its phases (draft levels,
-rerank, tree mask, verify, sample, accept, compact, draft catch-up) from one profiled run, as time per
-cycle (scaled to the untraced cycle) and share; an op census of both compiled loops; and what one
-target forward over T tokens costs against one token (--widths), which bounds what verifying a tree of T
-nodes can cost; and a floor under c: the cycle's flops at this machine's best matmul rate, in plain steps (XLA's
+Both decoders run the same random prompts (B rows) after warm-up, as the jitted loops generation uses, over
+one attention span. Prints the plain step time, the cycle time, c = cycle / plain step - 1, tau and the
+speedup tau / (1 + c) decoding alone would give; the cycle split into its phases (context search, draft
+levels, rerank, graft, tree mask, verify, sample, accept, compact, draft catch-up) from one profiled run, as
+time per cycle (scaled to the untraced cycle) and share; an op census of both compiled loops; and what one
+target forward over T tokens costs against one token (--widths), which bounds what verifying a tree of T nodes
+can cost; and a floor under c: the cycle's flops at this machine's best matmul rate, in plain steps (XLA's
 count, in which a loop body counts once, so of the draft levels only one: a floor, not an estimate). Without
 --target, the demo pair.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 import time
@@ -203,6 +205,7 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--depth", type=int, default=7)
     p.add_argument("--tree-top-k", type=int, default=10)
     p.add_argument("--tree", help="a static tree instead: 'mc_sim_7b_63' or a JSON list of rank paths")
+    p.add_argument("--context", type=int, default=0, help="context candidates grafted onto the tree")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -221,6 +224,7 @@ def _main(argv: Sequence[str] | None) -> int:
         )
     with command.flag("--tree"):
         tree = parse_static(a.tree) if a.tree else DynamicTree(a.total_tokens, a.depth, a.tree_top_k)
+        tree = dataclasses.replace(tree, context=a.context)
     target_path = a.target or demo.TARGET
     draft_path = a.draft or (target_path if loading.holds_draft(target_path) else demo.DRAFT)
     dtype = command.parse_dtype(a.dtype)

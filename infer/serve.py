@@ -1,6 +1,6 @@
 """Serve a target and its EAGLE head with an OpenAI-compatible API and continuous batching.
 
-    python -m infer.serve [--target DIR --draft DIR | --config PRESET --models DIR] [--host 127.0.0.1]
+    python -m infer.serve [--target DIR --draft DIR|context | --config PRESET --models DIR] [--host 127.0.0.1]
         [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--no-spec] [--dtype fp32]
         [--mesh data=D,tensor=T]
 
@@ -23,6 +23,7 @@ import jax
 
 from cli import budget, command, demo, presets
 from eagle_jax.decoding import budget as budgets
+from eagle_jax.decoding.tree import envelope_name
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.parallel import distributed, sharding
@@ -58,7 +59,7 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
     p.add_argument("--models", help="folder holding the preset's checkpoints")
     p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
-    p.add_argument("--draft", help="store or official EAGLE head folder (default: the target store's, or the demo's)")
+    p.add_argument("--draft", help=f"{presets.DRAFT_HELP} (default: the target store's, or the demo's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="row slots decoded together")
@@ -76,7 +77,8 @@ def _main(argv: Sequence[str] | None) -> int:
         raise EagleError(f"--port {a.port} must lie in 0..65535")
     preset = presets.load_preset(a.config) if a.config else None
     if a.target is None and preset is None:  # the demo pair, in float32 as the demo runs it
-        target_dir, draft_dir = demo.TARGET, Path(a.draft or demo.DRAFT)
+        target_dir = demo.TARGET
+        draft_dir = None if a.draft == presets.CONTEXT_DRAFT else Path(a.draft or demo.DRAFT)
     else:
         target_dir, draft_dir = presets.model_dirs(a.target, a.draft, preset, a.models)
     demo_pair = a.target is None and preset is None
@@ -86,7 +88,9 @@ def _main(argv: Sequence[str] | None) -> int:
         mesh = sharding.make_mesh(mesh_text) if mesh_text else None
         batcher.check_hosts(mesh)
         tcfg, tparams = loading.load_target(target_dir, dtype, mesh)
-        dcfg, dparams = loading.load_draft(draft_dir, tcfg, dtype=tparams["embed"].dtype, mesh=mesh)
+        dcfg = dparams = None
+        if draft_dir is not None:
+            dcfg, dparams = loading.load_draft(draft_dir, tcfg, dtype=tparams["embed"].dtype, mesh=mesh)
     if mesh is None:
         tparams, dparams = jax.device_put(tparams), jax.device_put(dparams)
     with command.flag("--target"):
@@ -110,7 +114,7 @@ def _main(argv: Sequence[str] | None) -> int:
     names = engine.programs()
     log(f"warm-up: {len(names)} programs compiled in {engine.warm_up():.1f} s ({', '.join(names)})")
     for n, tree in sorted(engine.envelope.items()):
-        log(f"  {n} live row{'s' if n > 1 else ''}: {tree}")
+        log(f"  {n} live row{'s' if n > 1 else ''}: {envelope_name(tree)}")
     if jax.process_index() > 0:  # a multi-host server answers on process 0; the others decode in step with it
         log(f"process {jax.process_index()} of {jax.process_count()}: following process 0's engine")
         engine.follow()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import os
@@ -18,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 from cli import demo, presets
 from eagle_jax.decoding import budget, plain
-from eagle_jax.decoding.tree import DynamicTree, StaticTree
+from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree, envelope_json
 from eagle_jax.errors import EagleError
 from eagle_jax.io import convert
 from infer import generate as cli_generate
@@ -225,7 +224,7 @@ def test_no_model_flags_run_the_demo(tmp_path, capsys):
     settings = doc["settings"]
     assert settings["target"] == str(demo.TARGET) and settings["draft"] == str(demo.DRAFT)
     chosen = budget.Budget.from_json(json.loads((demo.DRAFT / "budget.json").read_text())).choices[1]
-    assert settings["tree"] == (None if chosen is None else dataclasses.asdict(chosen))
+    assert settings["tree"] == envelope_json(chosen)
     assert settings["dtype"] == "float32"
     assert doc["compare"]["identical"] and doc["new_tokens"] == 12
     assert any(line.startswith("demo: target + its EAGLE3 head") for line in err.splitlines()) and demo.PROMPT in err
@@ -272,6 +271,56 @@ def test_the_envelope_follows_the_heads_budget(reference, tmp_path, capsys, monk
     )
     assert code == 0 and "measuring draft-tree envelopes for batch 1" in err, err
     assert list((Path(os.environ["EAGLE_JAX_CACHE"]) / "budget").glob("*.json"))
+
+
+def test_context_drafts_need_no_head(reference, tmp_path, capsys):
+    """--draft context: candidates copied from the context alone, for a target with no head; the output is plain
+    greedy decoding's, and --context grafts candidates onto a head's tree the same way."""
+    rows = [prompt(reference, 0) * 3, prompt(reference, 1)]  # a prompt that repeats itself, one that does not
+    for draft, extra, tree in (
+        ("context", ["--context", "5"], {"context": 5, "min_match": 2}),
+        (EAGLE3, ["--total-tokens", "5", "--depth", "4", "--tree-top-k", "1", "--context", "4"], None),
+    ):
+        out = tmp_path / "ctx.json"
+        args = ["--target", TARGET, "--draft", draft, "--prompt-ids", ids_arg(*rows), "--max-new-tokens", "16", *extra]
+        code, _, err = in_process([*args, "--json", str(out)], capsys)
+        assert code == 0, err
+        doc = json.loads(out.read_text())
+        cfg, params = hf_target()
+        assert doc["output_ids"] == plain.generate(params, cfg, rows, 16).tokens
+        assert doc["settings"]["tree"] == (
+            tree or {"total_tokens": 5, "depth": 4, "top_k": 1, "context": 4, "min_match": 2}
+        )
+        assert doc["settings"]["draft"] == (None if draft == "context" else draft)
+
+
+def hf_target():
+    from eagle_jax.io import hf
+
+    return hf.load_target(GOLDEN / "target")
+
+
+def test_compare_says_when_speculation_is_not_used(reference, tmp_path, capsys):
+    """When the budget keeps plain decoding, --compare says so in one line instead of timing plain decoding
+    against itself and calling the noise a speedup."""
+    head = tmp_path / "head"
+    shutil.copytree(EAGLE3, head)
+    (head / "budget.json").write_text(json.dumps(budget.Budget(budget.device_kind(), {1: None}).to_json()))
+    args = ["--target", TARGET, "--draft", str(head), "--prompt-ids", ids_arg(prompt(reference, 0))]
+    code, _, err = in_process([*args, "--max-new-tokens", "6", "--compare"], capsys)
+    assert code == 0, err
+    assert "speedup" not in err and err.strip().splitlines()[-1].startswith("[speculation not used: ")
+
+
+def test_budgets_hold_context_envelopes(tmp_path):
+    """A budget.json keeps head-only, context-only and combined choices; one without context fields still reads."""
+    table = budget.Budget(
+        budget.device_kind(), {1: NoDraft(context=7), 4: DynamicTree(5, 4, 1, context=7, min_match=3), 8: None}
+    )
+    assert budget.Budget.from_json(json.loads(json.dumps(table.to_json()))) == table
+    old = {"device": "cpu cpu", "choices": {"1": {"total_tokens": 4, "depth": 3, "top_k": 1}}}
+    assert budget.Budget.from_json(old).choices[1] == DynamicTree(4, 3, 1)
+    assert not any(t.needs_head for t in budget.candidates_for(head=False)) and budget.candidates_for(head=False)
 
 
 # ---------------------------------------------------------------- text and chat
@@ -419,7 +468,9 @@ def test_model_folders_name_a_missing_target_before_a_missing_head(tmp_path):
     assert presets.model_dirs(TARGET, EAGLE3, None, None) == (Path(TARGET), Path(EAGLE3))
     with pytest.raises(EagleError, match="/no/such/model: directory not found"):
         presets.model_dirs("/no/such/model", None, None, None)
-    with pytest.raises(EagleError, match="no draft head: .* holds none; pass --draft DIR, or --no-spec"):
+    with pytest.raises(
+        EagleError, match="no draft head: .* holds none; pass --draft DIR, or --draft context .*, or --no-spec"
+    ):
         presets.model_dirs(TARGET, None, None, None, ", or --no-spec")
     store = convert.convert(TARGET, EAGLE3, tmp_path / "store", progress=False)
     assert presets.model_dirs(str(store), None, None, None) == (Path(store), Path(store))
@@ -539,6 +590,9 @@ BAD_INPUT = {
     "--max-len past the positions": ["--target", TARGET, "--draft", EAGLE3, "--max-len", "4096"],
     "--mesh not dividing the heads": ["--target", TARGET, "--draft", EAGLE3, "--mesh", "tensor=8"],
     "head whose d2t leaves the vocabulary": ["--target", TARGET, "--draft", "{d2t_far}"],
+    "a head's tree with --draft context": ["--target", TARGET, "--draft", "context", "--total-tokens", "5"],
+    "negative --context": ["--target", TARGET, "--draft", "context", "--context", "-1"],
+    "--context past the most a cycle verifies": ["--target", TARGET, "--draft", EAGLE3, "--context", "99"],
     **{
         f"{model} config.json {shape}": (
             ["--target", f"{{target_{shape}}}", "--no-spec"]
@@ -573,7 +627,8 @@ def bad_runs(broken_dirs, env) -> dict[str, tuple[int, str, str]]:
         args = [a.format(**broken_dirs) for a in args]
         if "--prompt-ids" not in args and "--prompt-file" not in args:
             args += ["--prompt-ids", "1,5,9"]
-        if "--draft" in args and not {"--no-spec", "--tree", "--total-tokens", "--depth", "--tree-top-k"} & set(args):
+        tree_flags = {"--no-spec", "--tree", "--total-tokens", "--depth", "--tree-top-k", "--context"}
+        if "--draft" in args and not tree_flags & set(args):
             args += UPSTREAM_TREE
         procs[name] = launch(args + ["--max-new-tokens", "4"], env)
     results = {name: finish(p) for name, p in procs.items()}

@@ -13,7 +13,7 @@ from tiny import FAMILIES, tiny_draft, tiny_target, with_eos
 from eagle_jax.decoding import plain, schedule, speculative
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree, StaticTree
+from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
 from eagle_jax.io import loading
 from eagle_jax.models import kv_cache
 
@@ -331,7 +331,7 @@ def _draft_test(laws: np.ndarray, tokens: np.ndarray, cycles: list[tuple[np.ndar
         for r in range(tokens.shape[0]):
             node, k = 0, int(before[r])  # the cycle's root is emitted token `before[r]`
             while k + 1 < n:
-                children = np.flatnonzero((parents[r] == node) & is_child)
+                children = np.flatnonzero((parents[r] == node) & is_child & (tree_tokens[r] >= 0))  # used slots
                 kids = tree_tokens[r, children]
                 if not len(kids):
                     break
@@ -354,6 +354,10 @@ SAMPLING_CASES = {
         SamplingConfig(0.8, top_p=0.9),
     ),
     "eagle3-narrow-topk": ("eagle3", DynamicTree(12, 4, 2), SamplingConfig(1.0, top_k=5)),
+    # candidates from the context, alone and grafted onto a tree (one-token matches: nearly every cycle has some);
+    # at low temperatures the target repeats itself and its first candidate is taken in ~18% of the cycles
+    "context-alone": ("eagle3", NoDraft(context=4, min_match=1), SamplingConfig(0.3)),
+    "eagle3-dynamic+context": ("eagle3", DynamicTree(8, 3, 3, context=4, min_match=1), SamplingConfig(0.5, top_p=0.95)),
 }
 PROMPTS = [[1, 4, 2], [7, 3, 9, 9, 1, 5, 2], [2, 11, 6, 8, 3]]  # a batch of different prompt lengths
 ROWS, NEW = 2400, 16
@@ -384,6 +388,14 @@ def _streamed_sample(models, tree, sc, rows: int, seed: int):
 def _law_p_values(models, tree, sc, seed: int = 3) -> tuple[float, float]:
     tokens, cycles = _streamed_sample(models, tree, sc, ROWS, seed)
     assert len(cycles) >= 4 and tokens.shape == (ROWS, NEW)
+    if isinstance(tree, NoDraft):  # the context's first candidate is taken in a good share of the cycles
+        taken = [
+            tokens[r, before[r] + 1] == tree_tokens[r, 1]
+            for tree_tokens, _, before in cycles
+            for r in range(ROWS)
+            if before[r] + 1 < NEW
+        ]
+        assert np.mean(taken) > 0.1, np.mean(taken)
     laws = _teacher_forced_laws(models[1], models[0], _prompts(ROWS), tokens, sc)
     return _rank_test(laws, tokens), _draft_test(laws, tokens, cycles)
 
@@ -400,7 +412,8 @@ def test_sampling_keeps_the_targets_law(case):
 
 def test_sampling_tests_reject_a_subtle_bias(monkeypatch):
     """An engine that accepts a drafted token with probability ~ 1.1 p instead of p (at each node an extra coin
-    of probability 0.1 p(token) accepts the first child it falls on) fails the draft test."""
+    of probability 0.1 p(token) accepts the first child it falls on: here the context's first candidate)
+    fails the draft test."""
     from eagle_jax.decoding import acceptance
     from eagle_jax.decoding.sampling import processed_probs
 
@@ -416,12 +429,12 @@ def test_sampling_tests_reject_a_subtle_bias(monkeypatch):
         at_parent = jnp.take_along_axis(seen["probs"], tr.parents[..., None], axis=1)  # [B, N, V] law at the parent
         p_token = jnp.take_along_axis(at_parent, tr.tokens[..., None], axis=2)[..., 0]  # [B, N]
         coin = jax.random.uniform(jax.random.fold_in(seen["key"], 99), tr.tokens.shape) < 0.1 * p_token
-        coin = coin & (jnp.arange(n) > 0)
+        coin = coin & (jnp.arange(n) > 0) & (tr.tokens >= 0)  # drafted nodes (not unused context slots)
         child_of = (tr.parents[:, None, :] == jnp.arange(n)[None, :, None]) & coin[:, None, :]  # [B, parent, child]
         extra = jnp.take_along_axis(tr.tokens, jnp.argmax(child_of, axis=-1), axis=1)
         return real_accept(tr, jnp.where(jnp.any(child_of, axis=-1), extra, choice), path_len)
 
-    kind, tree, sc = SAMPLING_CASES["eagle3-dynamic"]
+    kind, tree, sc = SAMPLING_CASES["context-alone"]
     models = _sampling_models(kind)
     monkeypatch.setattr(speculative, "sample", spy_sample)
     monkeypatch.setattr(acceptance, "accept", biased_accept)

@@ -99,7 +99,7 @@ STATIC = {
 def test_static_tree_against_hand_built(name):
     tree_cfg = STATIC[name]
     roots = [3, 17]
-    built, calls = trees.build_static(tree_cfg, start(roots, tree_cfg.top_k), fake_expand(tree_cfg.top_k), 0)
+    built, calls = trees.build(tree_cfg, start(roots, tree_cfg.top_k), fake_expand(tree_cfg.top_k), 0)
     assert calls == tree_cfg.max_depth - 1  # one draft pass per expanded level
     check(tree_cfg, built, roots, reference_static)
     siblings = [np.asarray(built.tokens[0])[np.asarray(built.parents[0]) == 0][1:]]  # level-1 nodes (root excluded)
@@ -115,7 +115,7 @@ def test_dynamic_tree_against_upstream_rule(envelope):
     """Upstream's tree from every `depth` expansion, though a build stops where no deeper level can be kept
     (3 / 2 / 1: one draft pass, not two)."""
     roots = [3, 17, 29]
-    built, calls = trees.build_dynamic(envelope, start(roots, envelope.top_k), fake_expand(envelope.top_k), 0)
+    built, calls = trees.build(envelope, start(roots, envelope.top_k), fake_expand(envelope.top_k), 0)
     assert calls == min(envelope.depth, envelope.total_tokens - 2)
     check(envelope, built, roots, reference_dynamic)
 

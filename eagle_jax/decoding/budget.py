@@ -21,26 +21,38 @@ import jax
 
 from eagle_jax.decoding import plain, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.decoding.tree import DynamicTree, NoDraft, envelope_from_json, envelope_json, envelope_name
 
-# chains of 2-7 drafts (top-k 1: what an accurate head wants where verifying is not free), deep narrow trees
-# and wide ones up to upstream's 60 / 7 / 10
-CANDIDATES: tuple[DynamicTree, ...] = tuple(
-    DynamicTree(*t)
-    for t in (
-        (3, 2, 1),
-        (4, 3, 1),
-        (5, 4, 1),
-        (6, 5, 1),
-        (8, 7, 1),
-        (8, 3, 2),
-        (12, 5, 2),
-        (16, 6, 2),
-        (16, 4, 4),
-        (32, 7, 4),
-        (60, 7, 10),
-    )
+Envelope = DynamicTree | NoDraft
+
+# The head's chains of 2-7 drafts (top-k 1: what an accurate head wants where verifying is not free), deep
+# narrow trees and wide ones up to upstream's 60 / 7 / 10; context candidates alone (prompt lookup, no head);
+# and both, the context branch grafted onto a chain or a tree.
+CANDIDATES: tuple[Envelope, ...] = (
+    *(
+        DynamicTree(*t)
+        for t in (
+            (3, 2, 1),
+            (4, 3, 1),
+            (5, 4, 1),
+            (6, 5, 1),
+            (8, 7, 1),
+            (8, 3, 2),
+            (12, 5, 2),
+            (16, 6, 2),
+            (16, 4, 4),
+            (32, 7, 4),
+            (60, 7, 10),
+        )
+    ),
+    *(NoDraft(k, m) for k, m in ((3, 2), (5, 2), (7, 1), (7, 2), (7, 3))),
+    *(DynamicTree(*t, context=k) for *t, k in ((4, 3, 1, 5), (5, 4, 1, 7), (8, 3, 2, 7), (16, 4, 4, 7))),
 )
+
+
+def candidates_for(head: bool) -> tuple[Envelope, ...]:
+    """The default candidates of a target with (or without) a head."""
+    return tuple(t for t in CANDIDATES if head or not t.needs_head)
 
 
 MARGIN = 0.05  # what speculation must gain over plain decoding's measured tokens/s to be chosen
@@ -48,7 +60,7 @@ MARGIN = 0.05  # what speculation must gain over plain decoding's measured token
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    tree: DynamicTree | None  # None: plain decoding
+    tree: Envelope | None  # None: plain decoding
     tau: float  # tokens per cycle (1 for plain decoding)
     tokens_per_s: float  # median over the rounds, prefill included
 
@@ -58,16 +70,16 @@ class Budget:
     """The envelope to use per batch size (None: plain decoding), and what it was chosen from."""
 
     device: str
-    choices: dict[int, DynamicTree | None]
+    choices: dict[int, Envelope | None]
     measured: dict[int, list[Measured]] = dataclasses.field(default_factory=dict)
 
-    def for_batch(self, batch: int) -> DynamicTree | None:
+    def for_batch(self, batch: int) -> Envelope | None:
         """The choice for `batch` rows: that of the largest measured batch size <= batch (else the smallest)."""
         sizes = sorted(self.choices)
         return self.choices[max([s for s in sizes if s <= batch], default=sizes[0])]
 
     def to_json(self) -> dict:
-        tree = lambda t: None if t is None else dataclasses.asdict(t)  # noqa: E731
+        tree = envelope_json
         return {
             "device": self.device,
             "choices": {str(b): tree(t) for b, t in self.choices.items()},
@@ -79,7 +91,7 @@ class Budget:
 
     @staticmethod
     def from_json(doc: dict) -> Budget:
-        tree = lambda t: None if t is None else DynamicTree(**t)  # noqa: E731
+        tree = envelope_from_json
         return Budget(
             device=doc["device"],
             choices={int(b): tree(t) for b, t in doc["choices"].items()},
@@ -104,7 +116,7 @@ def measure(
     dcfg,
     prompts: Sequence[Sequence[int]],
     new_tokens: int,
-    candidates: Sequence[DynamicTree] | None = None,
+    candidates: Sequence[Envelope] | None = None,
     rounds: int = 3,
     sampling: SamplingConfig = SamplingConfig(),
     log: Callable[[str], None] | None = None,
@@ -112,17 +124,18 @@ def measure(
     """Tokens/s of plain decoding and of each candidate on `prompts` (one batch), median of `rounds`."""
     prompts = [list(p) for p in prompts]
 
-    def run(tree: DynamicTree | None) -> tuple[int, int]:
+    def run(tree: Envelope | None) -> tuple[int, int]:
         """(new tokens, cycles) of one generation."""
         if tree is None:
             res = plain.generate(tparams, tcfg, prompts, new_tokens, sampling)
             return sum(map(len, res.tokens)), sum(map(len, res.tokens))
-        res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, new_tokens, tree, sampling)
+        head_params, head_cfg = speculative.head_for(tree, dparams, dcfg)
+        res = speculative.generate(tparams, tcfg, head_params, head_cfg, prompts, new_tokens, tree, sampling)
         return sum(res.new_tokens), sum(res.cycles)
 
-    trees: list[DynamicTree | None] = [None, *(CANDIDATES if candidates is None else candidates)]
+    trees: list[Envelope | None] = [None, *(candidates_for(dcfg is not None) if candidates is None else candidates)]
     counts = {t: run(t) for t in trees}  # compiles every program
-    rates: dict[DynamicTree | None, list[float]] = {t: [] for t in trees}
+    rates: dict[Envelope | None, list[float]] = {t: [] for t in trees}
     for _ in range(rounds):
         for tree in trees:
             start = time.perf_counter()
@@ -131,11 +144,11 @@ def measure(
     measured = [Measured(t, counts[t][0] / max(1, counts[t][1]), statistics.median(rates[t])) for t in trees]
     if log:
         for m in measured:
-            log(f"{'plain' if m.tree is None else _name(m.tree)}: tau {m.tau:.2f}, {m.tokens_per_s:.1f} tokens/s")
+            log(f"{envelope_name(m.tree)}: tau {m.tau:.2f}, {m.tokens_per_s:.1f} tokens/s")
     return measured
 
 
-def choose(measured: Sequence[Measured], margin: float = MARGIN) -> DynamicTree | None:
+def choose(measured: Sequence[Measured], margin: float = MARGIN) -> Envelope | None:
     """The fastest envelope when it beats plain decoding (measured[i].tree None) by `margin`, else None."""
     plain_rate = next(m.tokens_per_s for m in measured if m.tree is None)
     fastest = max((m for m in measured if m.tree is not None), key=lambda m: m.tokens_per_s, default=None)
@@ -150,7 +163,7 @@ def calibrate(
     prompts: Sequence[Sequence[int]],
     batch_sizes: Sequence[int],
     new_tokens: int,
-    candidates: Sequence[DynamicTree] | None = None,
+    candidates: Sequence[Envelope] | None = None,
     rounds: int = 3,
     log: Callable[[str], None] | None = None,
 ) -> Budget:
@@ -163,7 +176,3 @@ def calibrate(
         measured[b] = measure(tparams, tcfg, dparams, dcfg, rows, new_tokens, candidates, rounds, log=log)
         jax.clear_caches()  # a dozen programs per batch size: free them before the next
     return Budget(device_kind(), {b: choose(ms) for b, ms in measured.items()}, measured)
-
-
-def _name(tree: DynamicTree) -> str:
-    return f"{tree.total_tokens}/{tree.depth}/{tree.top_k}"

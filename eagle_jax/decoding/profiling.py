@@ -1,8 +1,8 @@
 """Where a compiled decode program spends its time: per named phase, and what it is made of.
 
-The speculative cycle names its phases with `jax.named_scope` (draft levels, rerank, tree mask,
-verify, sample, accept, compact, draft catch-up); XLA keeps those names in each compiled op's
-metadata. `phase_times` runs a program once under `jax.profiler`, reads the time of every executed
+The speculative cycle names its phases with `jax.named_scope` (context search, draft levels, rerank,
+graft, tree mask, verify, sample, accept, compact, draft catch-up); XLA keeps those names in each
+compiled op's metadata. `phase_times` runs a program once under `jax.profiler`, reads the time of every executed
 op from the trace and adds it to the phase its metadata names. `op_census` counts the ops of a
 compiled program by kind (sorts, top-k, scatters, gathers, dynamic-update-slices, loops, fusions,
 dots), the usual suspects of a slow cycle.
@@ -21,7 +21,18 @@ from typing import Any
 
 import jax
 
-PHASES = ("draft_levels", "rerank", "tree_mask", "verify", "sample", "accept", "compact", "draft_catch_up")
+PHASES = (
+    "context",
+    "draft_levels",
+    "rerank",
+    "graft",
+    "tree_mask",
+    "verify",
+    "sample",
+    "accept",
+    "compact",
+    "draft_catch_up",
+)
 CONTAINERS = ("while", "conditional", "call", "tuple", "get-tuple-element", "parameter", "constant", "bitcast")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = [^=]*?\b([a-z][\w\-]*)\(")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")

@@ -51,17 +51,19 @@ def cache_shardings(num_kv_heads: int, mesh: Mesh) -> KVCache:
     return KVCache(_named(mesh, rules, CACHE_AXES), _named(mesh, rules, CACHE_AXES), _named(mesh, rules, BATCH))
 
 
-def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, per_row: bool = False) -> SpecState:
+def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig | None, mesh: Mesh, per_row: bool = False) -> SpecState:
     """The speculative loop state: caches as `cache_shardings`, per-row fields over data, the rest replicated;
     `per_row`: with per-row sampling controls (a server's batch), also over data."""
     by_row, by_row_wide, by_step, replicated = (
         _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), (None, "batch"), ())
     )
+    head = dcfg is not None
     return SpecState(
         target_cache=cache_shardings(tcfg.num_kv_heads, mesh),
-        draft_cache=cache_shardings(dcfg.num_kv_heads, mesh),
+        draft_cache=cache_shardings(dcfg.num_kv_heads, mesh) if head else None,
         root=by_row,
-        draft_hidden=by_row_wide,
+        draft_hidden=by_row_wide if head else None,
+        history=by_row_wide,
         out=by_row_wide,
         counts=by_row,
         limits=by_row,
@@ -113,7 +115,7 @@ def spec_programs(
     tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig, sampling: SamplingConfig, capacity: int, mesh: Mesh
 ) -> SpecPrograms:
     check_mesh(mesh, tcfg, dcfg)
-    tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh)
+    tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh) if dcfg is not None else None
     ssh = spec_state_shardings(tcfg, dcfg, mesh)
     rows, replicated = ssh.counts, ssh.key
     static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling)

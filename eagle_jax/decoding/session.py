@@ -107,8 +107,8 @@ class Session:
         chunks: Sequence[int] = CHUNKS,
         mesh: Mesh | None = None,
     ):
-        if tree is not None and dparams is None:
-            raise EagleError("a speculative session needs a draft head (or no tree for plain decoding)")
+        if tree is not None and tree.needs_head and dparams is None:
+            raise EagleError(f"the tree {tree} grows from a draft head: give one, or a tree with no head's part")
         target_capacity = tcfg.rope.max_position_embeddings
         if capacity > target_capacity:
             raise EagleError(f"capacity {capacity} exceeds the target's {target_capacity} positions; lower it")

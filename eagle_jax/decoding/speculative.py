@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.decoding import acceptance, schedule
+from eagle_jax.decoding import acceptance, context, schedule
 from eagle_jax.decoding import rows as rows_sampling
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.emit import PAD_ID, emit
@@ -38,9 +38,10 @@ class SpecState:
     """Carry of the generation loop (B rows; every cycle of a running row emits >= 1 token)."""
 
     target_cache: KVCache
-    draft_cache: KVCache
+    draft_cache: KVCache | None  # None without a head
     root: jax.Array  # [B] int32: next tree root (the target's last token, not yet in its cache)
-    draft_hidden: jax.Array  # [B, H] draft output at the last committed draft position
+    draft_hidden: jax.Array | None  # [B, H] draft output at the last committed draft position
+    history: jax.Array  # [B, S] int32 committed tokens by position (prompts, answers; the root at the cache length)
     out: jax.Array  # [B, S] int32 generated tokens, PAD_ID past counts (S = cache capacity)
     counts: jax.Array  # [B] int32
     limits: jax.Array  # [B] int32 per-row budgets
@@ -78,6 +79,17 @@ class SpecResult:
     def n_alpha(self, max_accept: int) -> list[float | None]:
         """Acceptance rate at depth n (1..max_accept) given that depths < n were accepted."""
         return acceptance.n_alpha(self.accept_histogram(max_accept))
+
+
+def _feature_layers(tcfg: TargetConfig, dcfg: DraftConfig | None) -> tuple[int, ...]:
+    return dcfg.feature_layers(tcfg) if dcfg is not None else ()
+
+
+def _write(history: jax.Array, start: jax.Array, tokens: jax.Array, n: jax.Array) -> jax.Array:
+    """history [B, S] with the first n [B] of tokens [B, T] written at positions start [B] + [0, T)."""
+    t = tokens.shape[1]
+    at = jnp.where(jnp.arange(t)[None, :] < n[:, None], start[:, None] + jnp.arange(t)[None, :], history.shape[1])
+    return history.at[jnp.arange(history.shape[0])[:, None], at].set(tokens, mode="drop")
 
 
 def _features(dcfg: DraftConfig, out: target.TargetOutput) -> jax.Array:
@@ -128,20 +140,24 @@ def prefill(
     (feature_i, token_{i+1}) for i < length (the last token being the root).
     """
     b, p = tokens.shape
-    out = target.prefill(tparams, tcfg, tokens, capacity, dcfg.feature_layers(tcfg))
+    out = target.prefill(tparams, tcfg, tokens, capacity, _feature_layers(tcfg, dcfg))
     rows = jnp.arange(b)
     last_hidden = out.hidden[rows, lengths - 1]
     root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), sampling)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, lengths - 1].set(root)
-    dcache = draft.init_cache(dcfg, b, capacity, tparams["embed"].dtype)
-    draft_hidden, dcache = _draft_context(
-        dparams, dcfg, tparams["embed"], dcache, shifted, _features(dcfg, out), lengths, span=p
-    )
+    draft_hidden = dcache = None
+    if dcfg is not None:
+        dcache = draft.init_cache(dcfg, b, capacity, tparams["embed"].dtype)
+        draft_hidden, dcache = _draft_context(
+            dparams, dcfg, tparams["embed"], dcache, shifted, _features(dcfg, out), lengths, span=p
+        )
+    history = jnp.full((b, capacity), PAD_ID, jnp.int32)
     return SpecState(
         target_cache=kv_cache.set_lengths(out.cache, lengths),
         draft_cache=dcache,
         root=root,
         draft_hidden=draft_hidden,
+        history=_write(history, jnp.zeros_like(lengths), tokens, lengths).at[rows, lengths].set(root),
         out=jnp.full((b, capacity), PAD_ID, jnp.int32),
         counts=jnp.zeros((b,), jnp.int32),
         limits=limits,
@@ -192,7 +208,7 @@ def extend(
         tokens,
         positions,
         kv_cache.set_lengths(state.target_cache, start),
-        feature_layers=dcfg.feature_layers(tcfg),
+        feature_layers=_feature_layers(tcfg, dcfg),
         compute_logits=False,
     )
     last = jnp.maximum(n - 1, 0)
@@ -206,21 +222,26 @@ def extend(
     else:
         root = rows_sampling.sample(logits[:, None], controls, (start + n)[:, None])[:, 0]
     pair_tokens = next_tokens.at[rows, last].set(jnp.where(final, root, next_tokens[rows, last]))
-    draft_hidden, dcache = _draft_context(
-        dparams,
-        dcfg,
-        tparams["embed"],
-        kv_cache.set_lengths(state.draft_cache, start),
-        pair_tokens,
-        _features(dcfg, fwd),
-        n,
-        span=None,
-    )
+    draft_hidden = dcache = None
+    if dcfg is not None:
+        draft_hidden, dcache = _draft_context(
+            dparams,
+            dcfg,
+            tparams["embed"],
+            kv_cache.set_lengths(state.draft_cache, start),
+            pair_tokens,
+            _features(dcfg, fwd),
+            n,
+            span=None,
+        )
+        draft_hidden = jnp.where(fed[:, None], draft_hidden, state.draft_hidden)
+    history = _write(state.history, start, tokens, n)
     return SpecState(
         target_cache=kv_cache.advance(fwd.cache, n),
         draft_cache=dcache,
         root=jnp.where(starts, root, state.root),
-        draft_hidden=jnp.where(fed[:, None], draft_hidden, state.draft_hidden),
+        draft_hidden=draft_hidden,
+        history=history.at[rows, jnp.where(starts, start + n, history.shape[1])].set(root, mode="drop"),
         out=jnp.where(starts[:, None], PAD_ID, state.out),
         counts=jnp.where(starts, 0, state.counts),
         limits=jnp.where(starts, limits, state.limits),
@@ -233,13 +254,15 @@ def extend(
     )
 
 
-def empty_state(tcfg: TargetConfig, dcfg: DraftConfig, batch: int, capacity: int, dtype) -> SpecState:
+def empty_state(tcfg: TargetConfig, dcfg: DraftConfig | None, batch: int, capacity: int, dtype) -> SpecState:
     """A state with empty caches and every row done: what `extend` feeds a conversation into."""
+    head = dcfg is not None
     return SpecState(
         target_cache=target.init_cache(tcfg, batch, capacity, dtype),
-        draft_cache=draft.init_cache(dcfg, batch, capacity, dtype),
+        draft_cache=draft.init_cache(dcfg, batch, capacity, dtype) if head else None,
         root=jnp.zeros((batch,), jnp.int32),
-        draft_hidden=jnp.zeros((batch, dcfg.hidden_size), dtype),
+        draft_hidden=jnp.zeros((batch, dcfg.hidden_size), dtype) if head else None,
+        history=jnp.full((batch, capacity), PAD_ID, jnp.int32),
         out=jnp.full((batch, capacity), PAD_ID, jnp.int32),
         counts=jnp.zeros((batch,), jnp.int32),
         limits=jnp.zeros((batch,), jnp.int32),
@@ -251,15 +274,18 @@ def empty_state(tcfg: TargetConfig, dcfg: DraftConfig, batch: int, capacity: int
     )
 
 
+def _lengths(s: SpecState) -> tuple[jax.Array, ...]:
+    return (s.target_cache.lengths,) if s.draft_cache is None else (s.target_cache.lengths, s.draft_cache.lengths)
+
+
 def host_slots_needed(s: SpecState, tree: TreeConfig) -> np.ndarray:
     """`slots_needed` read on the host."""
-    target_lengths, draft_lengths = distributed.host_value((s.target_cache.lengths, s.draft_cache.lengths))
-    return np.maximum(target_lengths, draft_lengths) + tree.cache_overhead
+    return np.max(distributed.host_value(_lengths(s)), axis=0) + tree.cache_overhead
 
 
 def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     """Cache slots [B] each row's next cycle writes up to (in the target's and the draft's cache)."""
-    return jnp.maximum(s.target_cache.lengths, s.draft_cache.lengths) + tree.cache_overhead
+    return functools.reduce(jnp.maximum, _lengths(s)) + tree.cache_overhead
 
 
 def _cycle(
@@ -267,35 +293,74 @@ def _cycle(
     dparams,
     s: SpecState,
     tcfg: TargetConfig,
-    dcfg: DraftConfig,
+    dcfg: DraftConfig | None,
     tree: TreeConfig,
     sampling: SamplingConfig,
     span: int | None,
 ) -> tuple[SpecState, Tree]:
     """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
-    running row's `slots_needed`). Returns the new state and this cycle's tree."""
-    rows = jnp.arange(s.root.shape[0])
+    running row's `slots_needed`). Returns the new state and this cycle's tree.
+
+    When no running row has context candidates, only the head's part of the tree is verified (the root alone
+    without a head: plain decoding's step): it accepts what the whole tree would, at the cost of a smaller
+    forward."""
     embed = tparams["embed"]
     head = target.output_head(tparams, tcfg)
-    running = ~s.done
-    with jax.named_scope("draft_levels"):
-        if isinstance(tree, trees.NoDraft):  # nothing drafted: no proposals to compute
-            ids = logp = jnp.zeros((rows.shape[0], 1))
-        else:
+    candidates = None
+    if tree.context:
+        with jax.named_scope("context"):  # prompt lookup in the row's own history
+            history = s.history if span is None else s.history[:, :span]
+            candidates = context.propose(history, s.target_cache.lengths, tree.context, tree.min_match)
+    if tree.needs_head:
+        with jax.named_scope("draft_levels"):
             ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
-    expand = _expand_fn(dparams, dcfg, embed, head, tree.top_k, span)
-    start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
-    tr, dcache = trees.build(tree, start, expand, s.draft_cache)
+        expand = _expand_fn(dparams, dcfg, embed, head, tree.top_k, span)
+        start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
+        tr, dcache = trees.build(tree, start, expand, s.draft_cache, candidates)
+    else:
+        start = trees.TreeStart(s.root, s.draft_hidden, None, None, None)
+        tr, dcache = trees.build(tree, start, None, s.draft_cache, candidates)
+    verify = functools.partial(_verify, tparams, dparams, s, dcache, tcfg=tcfg, dcfg=dcfg, sampling=sampling, span=span)
+    if not tree.context:
+        return verify(tr, tree, tree.cache_overhead), tr
+    n = tree.head_nodes  # without candidates, only the head's part (the root alone without a head's)
+    head_part = Tree(tr.tokens[:, :n], tr.parents[:, :n], tr.depths[:, :n], tr.mask[:, :n, :n])
+    new = jax.lax.cond(
+        jnp.any(candidates[1][:, 0] & ~s.done),
+        lambda: verify(tr, tree, tree.cache_overhead),
+        lambda: verify(head_part, dataclasses.replace(tree, context=0), tree.cache_overhead),
+    )
+    return new, tr
+
+
+def _verify(
+    tparams,
+    dparams,
+    s: SpecState,
+    dcache: KVCache | None,
+    tr: Tree,
+    tree: TreeConfig,
+    overhead: int,
+    *,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig | None,
+    sampling: SamplingConfig,
+    span: int | None,
+) -> SpecState:
+    """Verify the tree `tr` (of shape `tree`) with one target forward, accept, commit, let the head catch up;
+    rows stop when their next cycle would need more than `overhead` slots past the cache."""
+    rows = jnp.arange(s.root.shape[0])
+    running = ~s.done
     with jax.named_scope("verify"):  # one target forward over the tree
         positions = s.target_cache.lengths[:, None] + tr.depths
         fwd = target.forward(
             tparams,
             tcfg,
-            tr.tokens,
+            jnp.maximum(tr.tokens, 0),  # unused context slots (NO_TOKEN) are verified as token 0
             positions,
             s.target_cache,
             mask=tr.mask,
-            feature_layers=dcfg.feature_layers(tcfg),
+            feature_layers=_feature_layers(tcfg, dcfg),
             span=span,
         )
     with jax.named_scope("sample"):
@@ -307,18 +372,24 @@ def _cycle(
         out, counts, hit_eos = emit(s.out, s.counts, s.limits, emitted, commit, tcfg)
     with jax.named_scope("compact"):  # the accepted target entries to contiguous slots (a chain's already are)
         tcache = kv_cache.advance(fwd.cache if tree.is_chain else kv_cache.compact(fwd.cache, path), commit)
-    with jax.named_scope("draft_catch_up"):  # the draft reads the accepted features
-        pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
-        feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)
-        draft_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
+    pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
+    draft_hidden = s.draft_hidden
+    if dcfg is not None:
+        with jax.named_scope("draft_catch_up"):  # the draft reads the accepted features
+            feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)
+            new_hidden, dcache = _draft_context(
+                dparams, dcfg, tparams["embed"], dcache, pair_tokens, feats, commit, span
+            )
+            draft_hidden = jnp.where(running[:, None], new_hidden, s.draft_hidden)
     eos = s.eos | hit_eos
-    room = tcache.lengths + tree.cache_overhead <= tcache.capacity
+    room = tcache.lengths + overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room
-    new = SpecState(
+    return SpecState(
         target_cache=tcache,
         draft_cache=dcache,
         root=jnp.where(running, bonus, s.root),
-        draft_hidden=jnp.where(running[:, None], draft_hidden, s.draft_hidden),
+        draft_hidden=draft_hidden,
+        history=_write(s.history, s.target_cache.lengths + 1, pair_tokens, commit),  # accepted drafts, bonus
         out=out,
         counts=counts,
         limits=s.limits,
@@ -329,7 +400,6 @@ def _cycle(
         key=s.key,
         controls=s.controls,
     )
-    return new, tr
 
 
 def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, positions: jax.Array) -> jax.Array:
@@ -386,6 +456,12 @@ def run(
         lambda s: host_slots_needed(s, tree),
         state.target_cache.capacity,
     )
+
+
+def head_for(tree: TreeConfig | None, dparams, dcfg: DraftConfig | None) -> tuple[dict | None, DraftConfig | None]:
+    """The head a run with one fixed tree needs: none when the tree does not grow from it (it would only follow
+    along, which a batch that switches trees needs, a fixed one does not) or for plain decoding (None)."""
+    return (dparams, dcfg) if tree is not None and tree.needs_head else (None, None)
 
 
 def prepare(

@@ -14,6 +14,7 @@ child rank) after the global top-(total_tokens - 1) rerank.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,9 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax.decoding import context
 from eagle_jax.errors import EagleError
 
 # Upstream default EAGLE-1 static tree (26 nodes with the root), as top-k rank paths.
+MAX_CONTEXT = 16  # most context candidates one cycle verifies
+
 MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
     (0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0), (2, 1), (3, 0),
     (0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 0), (0, 1, 1), (0, 2, 0), (0, 2, 1), (1, 0, 0),
@@ -32,12 +36,26 @@ MC_SIM_7B_63: tuple[tuple[int, ...], ...] = (
 
 
 class _Envelope:
-    """What a tree shape implies for a cycle (needs num_nodes, max_depth, draft_window and top_k)."""
+    """What a tree shape implies for a cycle. A shape gives its head's part (head_nodes counting the root,
+    head_depth, draft_window, top_k) and `context`: up to that many candidates copied from the row's own
+    history where its last `min_match` or more tokens occurred before (`context.propose`), grafted onto the
+    head's tree as one more branch (`context.graft`)."""
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes one cycle verifies: the head's tree and one slot per context candidate."""
+        return self.head_nodes + self.context
+
+    @property
+    def max_depth(self) -> int:
+        """Deepest node level (the root is level 0): a context branch reaches depth `context` at most."""
+        return max(self.head_depth, self.context)
 
     @property
     def is_chain(self) -> bool:
-        """One node per level (top_k 1): node i sits at depth i, so an accepted path is already in slot order."""
-        return self.top_k == 1
+        """Node i sits at depth i (a head chain, or a context branch alone), so an accepted path is already
+        in slot order."""
+        return self.head_nodes == 1 or (self.top_k == 1 and self.context == 0)
 
     @property
     def path_len(self) -> int:
@@ -54,6 +72,22 @@ class _Envelope:
         """Cache slots one cycle needs past the committed context."""
         return max(self.num_nodes, self.draft_window, self.path_len)
 
+    @property
+    def drafts(self) -> bool:
+        """Whether a cycle proposes anything (else it is plain decoding's step)."""
+        return self.num_nodes > 1
+
+    @property
+    def needs_head(self) -> bool:
+        """Whether the tree grows from a draft head's proposals."""
+        return self.head_nodes > 1
+
+    def _check_context(self) -> None:
+        if not 0 <= self.context <= MAX_CONTEXT:
+            raise EagleError(f"context={self.context}: context candidates per cycle must lie in [0, {MAX_CONTEXT}]")
+        if not 1 <= self.min_match <= context.MAX_NGRAM:
+            raise EagleError(f"min_match={self.min_match}: a context match must span 1 to {context.MAX_NGRAM} tokens")
+
 
 @dataclasses.dataclass(frozen=True)
 class DynamicTree(_Envelope):
@@ -62,8 +96,11 @@ class DynamicTree(_Envelope):
     total_tokens: int = 60
     depth: int = 7
     top_k: int = 10
+    context: int = 0
+    min_match: int = 2
 
     def __post_init__(self):
+        self._check_context()
         candidates = self.top_k + self.depth * self.top_k**2
         if self.top_k < 1 or self.depth < 1 or self.total_tokens < 2:
             raise EagleError(f"bad tree envelope {self}: need top_k >= 1, depth >= 1, total_tokens >= 2")
@@ -74,12 +111,12 @@ class DynamicTree(_Envelope):
             )
 
     @property
-    def num_nodes(self) -> int:
+    def head_nodes(self) -> int:
         return self.total_tokens
 
     @property
-    def max_depth(self) -> int:
-        """Deepest node level (the root is level 0)."""
+    def head_depth(self) -> int:
+        """Deepest level of the head's tree (the root is level 0)."""
         return self.depth + 1
 
     @property
@@ -99,8 +136,11 @@ class StaticTree(_Envelope):
     """A fixed tree given as top-k rank paths, e.g. ((0,), (1,), (0, 0), ...); node order = (length, path)."""
 
     paths: tuple[tuple[int, ...], ...] = MC_SIM_7B_63
+    context: int = 0
+    min_match: int = 2
 
     def __post_init__(self):
+        self._check_context()
         paths = tuple(sorted({tuple(p) for p in self.paths}, key=lambda p: (len(p), p)))
         if not paths:
             raise EagleError("a static tree needs at least one path, e.g. [[0],[1],[0,0]]")
@@ -110,11 +150,11 @@ class StaticTree(_Envelope):
         object.__setattr__(self, "paths", paths)
 
     @property
-    def num_nodes(self) -> int:
+    def head_nodes(self) -> int:
         return len(self.paths) + 1
 
     @property
-    def max_depth(self) -> int:
+    def head_depth(self) -> int:
         return max(len(p) for p in self.paths)
 
     @property
@@ -124,22 +164,28 @@ class StaticTree(_Envelope):
     @property
     def width(self) -> int:
         """Most nodes on one level."""
-        return max(sum(len(p) == d for p in self.paths) for d in range(1, self.max_depth + 1))
+        return max(sum(len(p) == d for p in self.paths) for d in range(1, self.head_depth + 1))
 
     @property
     def draft_window(self) -> int:
-        return max(self.max_depth - 1, 1) * self.width
+        return max(self.head_depth - 1, 1) * self.width
 
 
 @dataclasses.dataclass(frozen=True)
 class NoDraft(_Envelope):
-    """A cycle that drafts nothing: the target verifies the root alone (plain decoding) while the head still
-    reads every accepted feature, so a batch can switch between drafting and not without losing context."""
+    """A cycle whose head drafts nothing: the target verifies the root alone (plain decoding), or with
+    `context` the root and a branch copied from the row's history (speculation without a head). A head,
+    when there is one, still reads every accepted feature, so a batch can switch trees without losing context."""
 
-    num_nodes = 1
-    max_depth = 0
+    context: int = 0
+    min_match: int = 2
+    head_nodes = 1
+    head_depth = 0
     draft_window = 0
     top_k = 1
+
+    def __post_init__(self):
+        self._check_context()
 
 
 TreeConfig = DynamicTree | StaticTree | NoDraft
@@ -207,9 +253,9 @@ def _finish(tokens: jax.Array, parents: jax.Array, max_depth: int) -> Tree:
         return Tree(tokens, parents, jnp.sum(mask, axis=-1) - 1, mask)
 
 
-def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
+def _build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) -> tuple[jax.Array, jax.Array, Any]:
     """EAGLE-2 tree (upstream `topK_genrate`): expand the top_k best frontier nodes `depth` times (`expansions`),
-    then keep the best total_tokens - 1 of all candidates in recorded order. Returns (tree, state)."""
+    then keep the best total_tokens - 1 of all candidates in recorded order. Returns (tokens, parents, state)."""
     root, root_ids, root_hidden = start.root, start.ids, start.hidden
     b, k = root.shape[0], tree.top_k
     w = tree.draft_window
@@ -246,7 +292,7 @@ def build_dynamic(tree: DynamicTree, start: TreeStart, expand: ExpandFn, state) 
         (state, *_), (tok_l, score_l, parent_l) = jax.lax.scan(step, init, jnp.arange(tree.expansions))
     with jax.named_scope("rerank"):
         tokens, parents = _rerank(tree, root, root_ids, start.logp, tok_l, score_l, parent_l)
-    return _finish(tokens, parents, tree.max_depth), state
+    return tokens, parents, state
 
 
 def _rerank(tree: DynamicTree, root, root_ids, root_logp, tok_l, score_l, parent_l) -> tuple[jax.Array, jax.Array]:
@@ -282,7 +328,7 @@ def static_layout(tree: StaticTree) -> _StaticLayout:
     paths = tree.paths
     index = {p: i + 1 for i, p in enumerate(paths)}
     parents = np.array([0] + [index.get(p[:-1], 0) for p in paths], np.int32)
-    d_max, width = tree.max_depth, tree.width
+    d_max, width = tree.head_depth, tree.width
     level_nodes = -np.ones((d_max, width), np.int32)
     level_rank = np.zeros((d_max, width), np.int32)
     level_parent_slot = np.zeros((d_max, width), np.int32)
@@ -303,26 +349,27 @@ def static_layout(tree: StaticTree) -> _StaticLayout:
     return _StaticLayout(parents, level_nodes, level_rank, level_parent_slot, window_mask)
 
 
-def build_static(tree: StaticTree, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
-    """EAGLE-1 static tree: node tokens are the parent's draft top-k at the node's rank. Returns (tree, state)."""
+def _build_static(tree: StaticTree, start: TreeStart, expand: ExpandFn, state) -> tuple[jax.Array, jax.Array, Any]:
+    """EAGLE-1 static tree: node tokens are the parent's draft top-k at the node's rank.
+    Returns (tokens, parents, state)."""
     lay = static_layout(tree)
     b = start.root.shape[0]
     with jax.named_scope("draft_levels"):
         tokens, state = _static_levels(tree, lay, start, expand, state)
-    return _finish(tokens, jnp.broadcast_to(jnp.asarray(lay.parents), (b, tree.num_nodes)), tree.max_depth), state
+    return tokens, jnp.broadcast_to(jnp.asarray(lay.parents), (b, tree.head_nodes)), state
 
 
 def _static_levels(tree: StaticTree, lay: _StaticLayout, start: TreeStart, expand: ExpandFn, state):
     """Node tokens [B, N] level by level, every level but the last expanded by one draft pass; (tokens, state)."""
     b, width, h = start.root.shape[0], tree.width, start.hidden.shape[-1]
     rows = jnp.arange(b)[:, None]
-    tokens = jnp.zeros((b, tree.num_nodes), start.root.dtype).at[:, 0].set(start.root)
+    tokens = jnp.zeros((b, tree.head_nodes), start.root.dtype).at[:, 0].set(start.root)
     level_tokens = start.ids[:, lay.level_rank[0]]  # [B, width]
     hidden = start.hidden[:, None, :]  # [B, 1 or width, H]: outputs of the level above
-    for d in range(1, tree.max_depth + 1):
+    for d in range(1, tree.head_depth + 1):
         valid = lay.level_nodes[d - 1] >= 0
         tokens = tokens.at[:, lay.level_nodes[d - 1][valid]].set(level_tokens[:, valid])
-        if d == tree.max_depth:
+        if d == tree.head_depth:
             break
         parent_hidden = jnp.broadcast_to(hidden[:, lay.level_parent_slot[d - 1]], (b, width, h))
         positions = jnp.broadcast_to(start.position[:, None] + d - 1, (b, width))
@@ -332,12 +379,20 @@ def _static_levels(tree: StaticTree, lay: _StaticLayout, start: TreeStart, expan
     return tokens, state
 
 
-def build(tree: TreeConfig, start: TreeStart, expand: ExpandFn, state) -> tuple[Tree, Any]:
-    """Grow the configured tree from `start`; `expand` runs the draft (threading `state`)."""
+def build(
+    tree: TreeConfig, start: TreeStart, expand: ExpandFn, state, candidates: tuple[jax.Array, jax.Array] | None = None
+) -> tuple[Tree, Any]:
+    """Grow the configured tree from `start`; `expand` runs the draft (threading `state`). With `tree.context`,
+    `candidates` (tokens [B, context], valid [B, context] from `context.propose`) join it as a grafted branch."""
     if isinstance(tree, NoDraft):
-        return _finish(start.root[:, None], jnp.zeros_like(start.root)[:, None], 0), state
-    builder = build_dynamic if isinstance(tree, DynamicTree) else build_static
-    return builder(tree, start, expand, state)
+        tokens, parents = start.root[:, None], jnp.zeros_like(start.root)[:, None]
+    else:
+        builder = _build_dynamic if isinstance(tree, DynamicTree) else _build_static
+        tokens, parents, state = builder(tree, start, expand, state)
+    if tree.context:
+        with jax.named_scope("graft"):
+            tokens, parents = context.graft(tokens, parents, *candidates)
+    return _finish(tokens, parents, tree.max_depth), state
 
 
 def parse_static(text: str) -> StaticTree:
@@ -355,12 +410,56 @@ def parse_static(text: str) -> StaticTree:
         ) from None
 
 
-def parse_envelopes(text: str) -> list[DynamicTree]:
-    """'60/7/10,5/4/1' -> dynamic envelopes (total_tokens/depth/top_k each)."""
-    trees = []
+def envelope_name(tree: TreeConfig | None) -> str:
+    """'5/4/1' (total_tokens/depth/top_k), '5/4/1+ctx7' (with 7 context candidates), 'ctx7' (context alone),
+    'ctx7m3' (a match of 3 tokens or more), 'plain' (None or nothing drafted); a static tree by its node count."""
+    if tree is None or not tree.drafts:
+        return "plain"
+    ctx = f"ctx{tree.context}" + (f"m{tree.min_match}" if tree.min_match != 2 else "") if tree.context else ""
+    if isinstance(tree, NoDraft):
+        return ctx
+    head = (
+        f"{tree.total_tokens}/{tree.depth}/{tree.top_k}"
+        if isinstance(tree, DynamicTree)
+        else f"static {tree.head_nodes} nodes"
+    )
+    return head + ("+" + ctx if ctx else "")
+
+
+def envelope_json(tree: TreeConfig | None) -> dict | None:
+    """A tree's fields (a static tree's as static_paths); the context's only when it has candidates."""
+    if tree is None:
+        return None
+    doc = dataclasses.asdict(tree)
+    if isinstance(tree, StaticTree):
+        doc = {"static_paths": [list(p) for p in doc.pop("paths")], **doc}
+    return doc if tree.context else {k: v for k, v in doc.items() if k not in ("context", "min_match")}
+
+
+def envelope_from_json(doc: dict | None) -> DynamicTree | NoDraft | None:
+    """`envelope_json`'s inverse (a dict without total_tokens is a head-less envelope)."""
+    if doc is None:
+        return None
+    return DynamicTree(**doc) if "total_tokens" in doc else NoDraft(**doc)
+
+
+_HEAD, _CONTEXT = r"(\d+)/(\d+)/(\d+)", r"ctx(\d+)(?:m(\d+))?"
+
+
+def parse_envelopes(text: str) -> list[DynamicTree | NoDraft]:
+    """'60/7/10,5/4/1+ctx7,ctx7m3' -> envelopes: TOTAL/DEPTH/TOP_K of the head's dynamic tree, +ctxK for K
+    context candidates grafted on (mM: found where the last M tokens recur, default 2), ctxK alone for context
+    candidates only."""
+    trees: list[DynamicTree | NoDraft] = []
     for part in text.split(","):
-        fields = part.strip().split("/")
-        if len(fields) != 3 or not all(f.isdigit() for f in fields):
-            raise EagleError(f"bad tree envelope {part.strip()!r}: expected TOTAL/DEPTH/TOP_K, e.g. 60/7/10")
-        trees.append(DynamicTree(*(int(f) for f in fields)))
+        m = re.fullmatch(rf"{_HEAD}(?:\+{_CONTEXT})?|{_CONTEXT}", part.strip())
+        if m is None:
+            raise EagleError(
+                f"bad tree envelope {part.strip()!r}: expected TOTAL/DEPTH/TOP_K (e.g. 60/7/10), optionally "
+                f"+ctxK (e.g. 5/4/1+ctx7), or ctxK alone (context candidates only, e.g. ctx7; ctx7m3 for matches "
+                f"of 3 tokens or more)"
+            )
+        total, depth, top_k, k1, m1, k2, m2 = m.groups()
+        ctx = dict(context=int(k1 or k2 or 0), min_match=int(m1 or m2 or 2))
+        trees.append(DynamicTree(int(total), int(depth), int(top_k), **ctx) if total else NoDraft(**ctx))
     return trees

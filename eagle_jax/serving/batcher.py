@@ -143,8 +143,8 @@ class Batcher:
         self,
         tparams: dict,
         tcfg: TargetConfig,
-        dparams: dict,
-        dcfg: DraftConfig,
+        dparams: dict | None,
+        dcfg: DraftConfig | None,
         envelopes: Callable[[int], TreeConfig | None],
         slots: int = 8,
         capacity: int = 2048,
@@ -157,10 +157,12 @@ class Batcher:
             raise EagleError(
                 f"{capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it", "capacity"
             )
-        self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
         self.slots, self.capacity, self.chunks, self.max_queue = slots, capacity, tuple(chunks), max_queue
         live = range(1, slots + 1)
         self.envelope = {n: (envelopes(n) or NoDraft()) if speculate else NoDraft() for n in live}
+        if not any(t.needs_head for t in self.envelope.values()):  # no tree grows from the head: leave it out
+            dparams = dcfg = None
+        self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
         self.overhead = max(t.cache_overhead for t in self.envelope.values())
         check_hosts(mesh)
         self.multi_host = distributed.is_multi_host()
