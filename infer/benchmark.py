@@ -21,7 +21,7 @@ speculative output differs from the plain one). Writes JSON (--json, default
 runs/benchmark/<questions>.json), a Markdown table (.md) and a PNG next to it.
 
 Without a tree the envelope is the one measured fastest on this machine for the batch size (the head's
-budget.json or a cached measurement, see `cli.budget`; plain decoding unless one wins by 5%). --auto-budget
+budget.json or a cached measurement, see `cli.envelope`; plain decoding unless one wins by 5%). --auto-budget
 measures plain decoding and the candidate envelopes (`eagle_jax.decoding.budget.CANDIDATES`: the head's
 chains of 2-7 drafts, narrow and wide trees up to 60 / 7 / 10, context candidates alone and grafted onto
 chains and trees) here, on calibration questions from the ends of the files, and uses the fastest;
@@ -40,8 +40,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cli import budget as cli_budget
-from cli import command, demo, presets
+from cli import command, demo, envelope, presets
 from cli.timing import Runner, read_questions
 from eagle_jax.decoding import acceptance, budget
 from eagle_jax.decoding.tree import (
@@ -214,7 +213,7 @@ def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[budget.E
         for q in calibration_questions(files_, args.calibration_prompts)
     ]
     if not args.auto_budget:
-        return cli_budget.default_tree(runner.models, runner.paths, args.batch, calibration, log=log), None
+        return envelope.default_tree(runner.models, runner.paths, args.batch, calibration, log=log), None
     batches = sorted({args.batch, *(args.budget_batches if args.save_budget else ())})
     measured = budget.calibrate(
         runner.tparams,

@@ -23,7 +23,7 @@ import jax
 from jax import monitoring
 from tqdm import tqdm
 
-from cli import budget, command, demo
+from cli import command, demo, envelope
 from eagle_jax.decoding import plain, session, speculative
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
@@ -34,7 +34,7 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 def user_turns(n: int) -> list[str]:
     """The first n user turns of MT-bench, question by question."""
-    turns = [t for line in budget.QUESTIONS.read_text().splitlines() for t in json.loads(line)["turns"]]
+    turns = [t for line in envelope.QUESTIONS.read_text().splitlines() for t in json.loads(line)["turns"]]
     return turns[:n]
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from cli import budget, command, demo, presets
+from cli import command, demo, envelope, presets
 from eagle_jax.decoding import plain, programs, schedule, session, speculative
 from eagle_jax.decoding.budget import MARGIN
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -64,7 +64,7 @@ CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns d
 @dataclasses.dataclass(frozen=True)
 class Settings:
     tree: TreeConfig | None  # None: plain decoding
-    auto_tree: bool  # no tree given: the envelope measured fastest here for the batch (`cli.budget`)
+    auto_tree: bool  # no tree given: the envelope measured fastest here for the batch (`cli.envelope`)
     sampling: SamplingConfig
     max_new_tokens: int
     seed: int
@@ -567,8 +567,8 @@ def resolve_tree(
     (plain decoding when no envelope wins); calibrates on MT-bench first turns, or `prompts` without a tokenizer."""
     if not s.auto_tree:
         return s
-    calibration = budget.calibration_prompts(tok) if tok is not None else prompts
-    tree = budget.default_tree(
+    calibration = envelope.calibration_prompts(tok) if tok is not None else prompts
+    tree = envelope.default_tree(
         (m.tcfg, m.tparams, m.dcfg, m.dparams),
         (m.target_dir, m.draft_dir),
         batch,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from cli import budget, command, demo, presets
+from cli import command, demo, envelope, presets
 from eagle_jax.decoding import budget as budgets
 from eagle_jax.decoding.tree import envelope_name
 from eagle_jax.errors import EagleError
@@ -35,16 +35,16 @@ MEASURED_BATCHES = (1, 4, 8, 16)
 def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
     """The measured envelope for each batch size up to max_batch (from the head's budget.json or the cache, else
     measured now). On several processes, process 0's saved choices, sent to all (nothing is measured there)."""
-    calibration = budget.calibration_prompts(tok)
+    calibration = envelope.calibration_prompts(tok)
     sizes = sorted({b for b in MEASURED_BATCHES if b <= max_batch} | {1})
     if not distributed.is_multi_host():
         return budgets.Budget(
-            budgets.device_kind(), {b: budget.default_tree(models, paths, b, calibration, log=log) for b in sizes}
+            budgets.device_kind(), {b: envelope.default_tree(models, paths, b, calibration, log=log) for b in sizes}
         )
     mine = None
     if jax.process_index() == 0:
         try:
-            trees = {b: budget.default_tree(models, paths, b, calibration, log=log, measure=False) for b in sizes}
+            trees = {b: envelope.default_tree(models, paths, b, calibration, log=log, measure=False) for b in sizes}
             mine = budgets.Budget(budgets.device_kind(), trees).to_json()
         except EagleError as exc:  # every process stops with it
             mine = {"error": str(exc)}

@@ -22,7 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from test_train import cli_env  # noqa: E402
 
 from eagle_jax.decoding import plain  # noqa: E402
-from eagle_jax.decoding.tree import DynamicTree  # noqa: E402
+from eagle_jax.decoding.tree import DynamicTree, NoDraft  # noqa: E402
 from eagle_jax.io import loading  # noqa: E402
 from eagle_jax.serving import api, batcher  # noqa: E402
 
@@ -226,23 +226,26 @@ def test_rows_sampling_matches_the_static_rule():
 
 
 def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
-    """Keys follow sequence positions, so a seeded sampled row gives the same tokens with a tree, a chain or
-    plain decoding (`NoDraft`): speculation leaves each row's sampling law as its own settings make it."""
+    """Keys follow sequence positions, so a seeded sampled row gives the same tokens with a tree, a chain, context
+    candidates with no head, or plain decoding (`NoDraft`): speculation leaves each row's sampling law as its own
+    settings make it."""
     from eagle_jax.decoding.sampling import SamplingConfig
 
     tcfg, tparams = golden_target
     dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
-    prompt = list(range(20, 60))
+    prompt = list(range(20, 60)) * 2  # repeats itself: context candidates are taken
     answers = []
-    for tree in (DynamicTree(16, 4, 4), DynamicTree(5, 4, 1), None):
-        engine = batcher.Batcher(tparams, tcfg, dparams, dcfg, lambda n, t=tree: t, slots=2, capacity=256, chunks=(32,))
+    for tree in (DynamicTree(16, 4, 4), DynamicTree(5, 4, 1), NoDraft(context=5, min_match=1), None):
+        head = (dparams, dcfg) if tree is None or tree.needs_head else (None, None)
+        engine = batcher.Batcher(tparams, tcfg, *head, lambda n, t=tree: t, slots=2, capacity=256, chunks=(32,))
+        assert (engine.dparams is None) == (tree is None or not tree.needs_head)  # no tree grows from the head
         for seed, sc in ((3, SamplingConfig(0.8, 0.9, 0)), (4, SamplingConfig(1.0, 1.0, 20))):
             out: list[int] = []
             engine.submit(batcher.Request(prompt, 40, sc, seed, out.extend, lambda why: None))
             answers.append(out)
         while engine.step():
             pass
-    assert answers[0] == answers[2] == answers[4] and answers[1] == answers[3] == answers[5]
+    assert answers[0] == answers[2] == answers[4] == answers[6] and answers[1] == answers[3] == answers[5] == answers[7]
     assert answers[0] != answers[1] and len(answers[0]) == 40
 
 

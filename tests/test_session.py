@@ -58,12 +58,27 @@ def _conversation(talk, first_len, turns, new, rng, seed_base=0):
     for turn in range(turns):
         answer = [t for piece in talk.reply(convo, new, seed=seed_base + turn) for t in piece]
         assert answer == talk.last.tokens
+        _check_cache_lengths(talk, len(convo), answer, talk.last.accept_lengths)
         prompts.append(convo)
         answers.append(answer)
         kept.append(talk.last.reused_tokens)
         accepts.append(talk.last.accept_lengths)
         convo = convo + answer + rng.integers(3, 250, 3 + 41 * turn).tolist()
     return prompts, answers, kept, accepts
+
+
+def _check_cache_lengths(talk: session.Session, prompt: int, answer: list[int], accepts: list[int]) -> None:
+    """What the caches hold after a turn: plain decoding the prompt and every answer token but the last (the next
+    one to feed); a speculative row the prompt and every committed cycle (root + accepted drafts; the last cycle
+    may commit past the budget), in the target's cache and the head's alike."""
+    state = talk.state
+    if talk.tree is None:
+        assert int(state.cache.lengths[0]) == prompt + len(answer) - 1
+        return
+    committed = sum(a + 1 for a in accepts)
+    assert committed >= len(answer)
+    lengths = [state.target_cache.lengths] + ([state.draft_cache.lengths] if state.draft_cache is not None else [])
+    assert [int(n[0]) for n in lengths] == [prompt + committed] * len(lengths)
 
 
 @pytest.mark.parametrize("tree", [TREE, StaticTree(((0,), (1,), (0, 0), (0, 0, 0))), None], ids=str)

@@ -33,7 +33,7 @@ from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.kv_cache import CACHE_AXES, KVCache
 from eagle_jax.models.params import with_dtype
 from eagle_jax.parallel import sharding
-from eagle_jax.parallel.memory import Plan, abstract, compile_program, compiler_name, device_bytes, mesh_text
+from eagle_jax.parallel.memory import MemoryPlan, abstract, compile_program, compiler_name, device_bytes, mesh_text
 from eagle_jax.parallel.sharding import check_mesh, data_parallelism, draft_shardings, place, target_shardings
 
 PyTree = Any
@@ -256,7 +256,7 @@ def plan_inference(
     dtype: Any,
     tree: TreeConfig = DynamicTree(),
     prompt_len: int | None = None,
-) -> Plan:
+) -> MemoryPlan:
     """Compile the sharded prefill (prompts [batch, prompt_len], default max_len) and generation loop with
     abstract parameters; their memory per device."""
     check_mesh(mesh, tcfg, dcfg, batch)
@@ -286,4 +286,4 @@ def plan_inference(
         compile_program("generation loop (cycles)", mesh, progs.run, tparams, dparams, state),
     )
     title = f"inference: batch {batch}, max-len {max_len}, {jnp.dtype(dtype).name}, tree {tree}, mesh {mesh_text(mesh)}"
-    return Plan(title, mesh.size, compiler_name(mesh), resident, compiled)
+    return MemoryPlan(title, mesh.size, compiler_name(mesh), resident, compiled)

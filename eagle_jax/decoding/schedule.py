@@ -44,8 +44,8 @@ def round_capacity(slots: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """The sizes of one generation."""
+class Sizes:
+    """The sizes of one generation: cache, prompt bucket, budgets."""
 
     capacity: int  # cache slots per row
     bucket: int  # padded prompt length
@@ -63,7 +63,7 @@ def plan(
     overhead: int = 0,
     capacity: int | None = None,
     max_positions: int | None = None,
-) -> Plan:
+) -> Sizes:
     """Size a generation of prompts of `lengths`.
 
     overhead: cache slots one step needs past the context (a speculative cycle's tree; 0 for plain
@@ -88,7 +88,7 @@ def plan(
             "use a larger capacity or a shorter prompt"
         )
     limits = np.minimum(max_new_tokens, usable - lengths).astype(np.int32)
-    return Plan(capacity, prompt_bucket(longest, capacity), limits, max_new_tokens)
+    return Sizes(capacity, prompt_bucket(longest, capacity), limits, max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)

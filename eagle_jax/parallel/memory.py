@@ -65,7 +65,7 @@ class Program:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class MemoryPlan:
     title: str
     devices: int
     compiler: str  # whose memory_analysis: "XLA:CPU" or "XLA:TPU (TPU v5 lite)"
@@ -159,7 +159,7 @@ def size(n: int) -> str:
     return f"{n / GiB:8.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:8.2f} MiB"
 
 
-def fits(plan: Plan, tpus: Sequence[Tpu] = TPUS) -> list[str]:
+def fits(plan: MemoryPlan, tpus: Sequence[Tpu] = TPUS) -> list[str]:
     lines = []
     for tpu in tpus:
         spare = tpu.hbm_gib * GiB - plan.peak
@@ -173,7 +173,7 @@ def fits(plan: Plan, tpus: Sequence[Tpu] = TPUS) -> list[str]:
     return lines
 
 
-def report(name: str, plan: Plan, tpus: Sequence[Tpu] = TPUS) -> str:
+def report(name: str, plan: MemoryPlan, tpus: Sequence[Tpu] = TPUS) -> str:
     lines = [f"{name}: {plan.title}, {plan.devices} devices ({plan.compiler})", "per device:"]
     lines += [f"  {what:34s} {size(n)}" for what, n in plan.resident]
     for p in plan.programs:

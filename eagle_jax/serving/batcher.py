@@ -87,7 +87,7 @@ def _ignore(*_) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SlotChanges:
     """What the engine does before a cycle: rows to cancel, requests to admit. Process 0 decides; on a
     multi-host server every process carries it out, so it travels as bytes (callbacks stay with process 0)."""
 
@@ -105,15 +105,15 @@ class Plan:
         return json.dumps({"cancel": self.cancel, "admit": admit}, separators=(",", ":")).encode()
 
     @staticmethod
-    def from_bytes(message: bytes) -> Plan:
+    def from_bytes(message: bytes) -> SlotChanges:
         if not message:
-            return Plan()
+            return SlotChanges()
         doc = json.loads(message)
         admit = (
             Admission(slot, Request(list(prompt), max_tokens, SamplingConfig(**sampling), seed, _ignore, _ignore))
             for slot, prompt, max_tokens, sampling, seed in doc["admit"]
         )
-        return Plan(tuple(doc["cancel"]), tuple(admit))
+        return SlotChanges(tuple(doc["cancel"]), tuple(admit))
 
     @staticmethod
     def max_bytes(slots: int, capacity: int) -> int:
@@ -230,7 +230,7 @@ class Batcher:
         """The sizes plans travel as between the processes of a multi-host server (none on one)."""
         if not self.multi_host:
             return []
-        largest = distributed.message_size(Plan.max_bytes(self.slots, self.capacity))
+        largest = distributed.message_size(SlotChanges.max_bytes(self.slots, self.capacity))
         return [distributed.MIN_MESSAGE << k for k in range((largest // distributed.MIN_MESSAGE).bit_length())]
 
     def warm_up(self) -> float:
@@ -302,18 +302,13 @@ class Batcher:
         self.stats.prompt_tokens += len(req.prompt)
         self.stats.kept_tokens += keep
 
-    def _free_slot(self, prompt: list[int]) -> int:
-        """The free slot whose caches share the longest prefix with `prompt`."""
-        free = [s for s, r in enumerate(self.rows) if r is None]
-        return max(free, key=lambda s: session.common_prefix(self.cached[s], prompt))
-
     def _finish(self, slot: int, reason: str) -> None:
         req = self.rows[slot]
         self.rows[slot] = None
         self.stats.finished += 1
         req.on_finish(reason)
 
-    def plan(self) -> Plan:
+    def plan(self) -> SlotChanges:
         """Decide what happens before the next cycle: cancelled rows go, waiting requests take the free slots
         (each the one whose caches share most with its prompt). Host-only: the queue and the rows."""
         cancel = tuple(s for s, r in enumerate(self.rows) if r is not None and r.cancelled)
@@ -328,9 +323,9 @@ class Batcher:
             slot = max(free, key=lambda s: session.common_prefix(self.cached[s], req.prompt))
             free.remove(slot)
             admit.append(Admission(slot, req))
-        return Plan(cancel, tuple(admit))
+        return SlotChanges(cancel, tuple(admit))
 
-    def apply(self, plan: Plan) -> bool:
+    def apply(self, plan: SlotChanges) -> bool:
         """Carry out a plan, run one cycle, hand out tokens. Returns False when no row was running."""
         if plan.cancel:
             self.state = retire(self.state, np.isin(np.arange(self.slots), plan.cancel))
@@ -368,7 +363,7 @@ class Batcher:
         return distributed.host_value((s.counts, s.done, s.eos, s.out))
 
     def step(self) -> bool:
-        """Plan, carry it out (every process of a multi-host server does: process 0 sends it), one cycle."""
+        """SlotChanges, carry it out (every process of a multi-host server does: process 0 sends it), one cycle."""
         plan = self.plan()
         if self.multi_host:
             distributed.broadcast(plan.to_bytes())
@@ -377,7 +372,7 @@ class Batcher:
     def follow(self) -> None:
         """A multi-host server's processes but the first: carry out process 0's plans until it stops."""
         while (message := distributed.broadcast(None)) is not None:
-            self.apply(Plan.from_bytes(message))
+            self.apply(SlotChanges.from_bytes(message))
         jax.distributed.shutdown()  # together with process 0's engine
 
     def run(self) -> None:

@@ -21,7 +21,7 @@ from eagle_jax.models import draft, target
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.params import abstract_params, is_spec, with_dtype
 from eagle_jax.parallel import sharding
-from eagle_jax.parallel.memory import Plan, abstract, compile_program, compiler_name, device_bytes, mesh_text
+from eagle_jax.parallel.memory import MemoryPlan, abstract, compile_program, compiler_name, device_bytes, mesh_text
 from eagle_jax.training import objective
 
 PyTree = Any
@@ -133,7 +133,7 @@ def make_train_step(
 
 def plan_training(
     tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, seq_len: int, ttt_steps: int = 7, bf16: bool = True
-) -> Plan:
+) -> MemoryPlan:
     """Compile the train step (`make_train_step`) on [batch, seq_len] token batches with abstract arguments."""
     sharding.check_mesh(mesh, tcfg, dcfg, batch)
     compute = jnp.bfloat16 if bf16 else jnp.float32
@@ -164,4 +164,4 @@ def plan_training(
         tokens,
     )
     title = f"training: batch {batch}, length {seq_len}, {'bf16 compute' if bf16 else 'f32'}, mesh {mesh_text(mesh)}"
-    return Plan(title, mesh.size, compiler_name(mesh), resident, (program,))
+    return MemoryPlan(title, mesh.size, compiler_name(mesh), resident, (program,))
