@@ -135,6 +135,12 @@ def test_seeded_samples_reproduce_whatever_runs_beside_them(served):
         [f.result() for f in crowd]
     assert amid == alone
     assert ask(url, QUESTIONS[1], 30, temperature=0.9, top_p=0.95, seed=8)[0] != alone
+    # OpenAI's seeds are 64-bit: a large or negative one reproduces too; without a seed, samples differ
+    assert ask(url, QUESTIONS[1], 30, **{**kw, "seed": 2**32 + 6})[0] == alone  # folds to 6 ^ 1 = 7
+    big = [ask(url, QUESTIONS[1], 30, **{**kw, "seed": -(2**62) - 3})[0] for _ in range(2)]
+    assert big[0] == big[1]
+    unseeded = {ask(url, QUESTIONS[1], 30, temperature=0.9, top_p=0.95)[0] for _ in range(3)}
+    assert len(unseeded) > 1
 
 
 def test_stop_strings_end_the_answer(served):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -67,6 +68,15 @@ def _number(body: dict, name: str, default, kind=float, low=None, high=None, low
     return value
 
 
+def _seed(seed: int | None) -> int:
+    """A request's 64-bit seed folded into the 32 bits a row's key takes (seeds below 2**32 unchanged); a request
+    without one gets a fresh random seed, so unseeded samples differ as OpenAI's do."""
+    if seed is None:
+        return secrets.randbits(32)
+    seed %= 2**64
+    return (seed & 0xFFFFFFFF) ^ (seed >> 32)
+
+
 class Api:
     """Request parsing and response writing for one model served by one batcher."""
 
@@ -116,7 +126,7 @@ class Api:
             )
         except EagleError as exc:
             raise BadRequest(str(exc)) from None
-        seed = _number(body, "seed", 0, int, low=0, high=2**32 - 1)
+        seed = _seed(_number(body, "seed", None, int, low=-(2**63), high=2**63 - 1))
         stops = body.get("stop")
         stops = (stops,) if isinstance(stops, str) else stops
         if stops is not None and (
