@@ -138,6 +138,10 @@ class Runner:
         shape = (len(prompts), schedule.prompt_bucket(max(map(len, prompts))))
         if shape in self._warm:
             return
+        # one shape's programs at a time: every bucket's (a dozen spans, both decoders) would exhaust the memory
+        # maps the CPU compiler's code takes (65530 by default) in a long run; the persistent cache reloads them
+        jax.clear_caches()
+        self._warm = set()
         p = self.prepare(prompts, self.max_new_tokens)
         key, few = jax.random.key(self.seed), p.limits * 0 + 2  # a cycle or two in each span
         for span in schedule.all_spans(p.capacity):  # fresh states: the loops consume (donate) theirs

@@ -42,4 +42,6 @@ for b in 1 8; do
         bench "long_sum_b1_$mode" --questions $OUT/long_sum.jsonl $flags
     done
 done
+$PY results/context/report.py > /dev/null  # summary.md and summary.png from what exists so far
 bench mt_bench_all_b1_context --questions data/eval/mt_bench.jsonl $CONTEXT_ONLY
+$PY results/context/report.py > /dev/null
