@@ -4,11 +4,20 @@ several concurrency levels, with speculation and with --no-spec, in one run.
     python -m infer.loadtest [--target DIR --draft DIR] [--concurrency 1,2,4,8,16] [--max-batch 16]
         [--questions data/eval/mt_bench.jsonl] [--requests 16] [--max-tokens 128] [--json OUT]
     python -m infer.loadtest --url http://127.0.0.1:8000 ...          # a server already running (one mode)
+    python -m infer.loadtest --faults [--burst 48] [--max-queue 4] ...  # the server under faults
 
 Without --url it starts `python -m infer.serve` twice on a free local port (speculative, then --no-spec,
 same models and settings), waits for its warm-up, and sends greedy streamed chat requests (MT-bench first
 turns, cycling) from C concurrent clients. Prints and writes (JSON + PNG next to it) per mode and level:
 output tokens/s, time to first token and time per output token (p50/p99), and the speedup of speculation.
+
+With --faults it runs one server (started with --max-queue, or --url) through faults instead: a burst of
+streamed and whole requests beyond its slots and queue, clients that go away (streams closed after their
+first chunk, whole answers given up after half a second), a body far above its byte limit while /health is
+polled, and malformed requests. Every request counts as completed (a whole answer, a stream ending in
+[DONE]), refused correctly (429 with Retry-After, 413, 400 or 404 as an OpenAI error object, before any
+byte of a stream), abandoned (by the client) or wrong (anything else: a stream cut after its 200, an error
+without an error object, abandoned rows still decoding after FREED_WITHIN_S).
 """
 
 from __future__ import annotations
@@ -31,6 +40,8 @@ from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
 READY_TIMEOUT_S = 1800
+FREED_WITHIN_S = 5.0  # abandoned rows must be gone by then
+BIG_BODY_BYTES = 32 << 20
 PNG_TITLE = "eagle-jax load test"  # in the plot's metadata: how a rerun recognises its own PNG
 
 
@@ -150,6 +161,155 @@ def measure(url: str, questions: list[str], levels: Sequence[int], max_tokens: i
     return rows
 
 
+def _refusal(r, status: int) -> bool:
+    """A correct refusal: the status, an OpenAI error object, Retry-After on a 429."""
+    try:
+        error = r.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return False
+    ok = r.status_code == status and bool(error.get("message")) and bool(error.get("type"))
+    return ok and (status != 429 or int(r.headers.get("retry-after", "0")) >= 1)
+
+
+async def _request(client, url: str, body: dict) -> str:
+    """Send one request and say how it went: "completed", "refused" or "wrong: why"."""
+    if not body.get("stream"):
+        r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=600)
+        if r.status_code == 200:
+            return "completed" if r.json()["choices"][0]["finish_reason"] else "wrong: no finish reason"
+        return "refused" if _refusal(r, 429) else f"wrong: HTTP {r.status_code} {r.text[:80]}"
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return "refused" if _refusal(r, 429) else f"wrong: HTTP {r.status_code} {r.text[:80]}"
+        try:
+            lines = [line async for line in r.aiter_lines()]
+        except Exception as exc:  # noqa: BLE001 (a cut stream shows as any transport error)
+            return f"wrong: stream cut ({type(exc).__name__})"
+    return "completed" if "data: [DONE]" in lines else "wrong: stream ended without [DONE]"
+
+
+async def _abandon(client, url: str, body: dict) -> str:
+    """A client that goes away: a stream closed after its first chunk, a whole answer given up after 0.5 s."""
+    if body.get("stream"):
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return "refused" if _refusal(r, 429) else f"wrong: HTTP {r.status_code}"
+            async for _ in r.aiter_lines():
+                break
+        return "abandoned"
+    try:
+        r = await client.post(f"{url}/v1/chat/completions", json=body, timeout=0.5)
+    except Exception:  # noqa: BLE001 (the timeout this client gives up at)
+        return "abandoned"
+    return "completed" if r.status_code == 200 else "refused" if _refusal(r, 429) else f"wrong: HTTP {r.status_code}"
+
+
+async def _idle_after(client, url: str) -> float | None:
+    """Seconds until the server has no running or queued rows (None: not within FREED_WITHIN_S)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < FREED_WITHIN_S:
+        health = (await client.get(f"{url}/health", timeout=10)).json()
+        if health["running_rows"] == 0 and health["queued_rows"] == 0:
+            return time.perf_counter() - t0
+        await asyncio.sleep(0.02)
+    return None
+
+
+async def _big_body(client, url: str) -> tuple[str, float, float]:
+    """A body of BIG_BODY_BYTES while /health is polled: (outcome, seconds to the answer, slowest /health)."""
+    body = json.dumps({"messages": [{"role": "user", "content": "word " * (BIG_BODY_BYTES // 5)}]}).encode()
+    slowest = 0.0
+    done = asyncio.Event()
+
+    async def poll():
+        nonlocal slowest
+        while not done.is_set():
+            t = time.perf_counter()
+            await client.get(f"{url}/health", timeout=60)
+            slowest = max(slowest, time.perf_counter() - t)
+            await asyncio.sleep(0.05)
+
+    poller = asyncio.create_task(poll())
+    t0 = time.perf_counter()
+    r = await client.post(
+        f"{url}/v1/chat/completions", content=body, headers={"content-type": "application/json"}, timeout=600
+    )
+    seconds = time.perf_counter() - t0
+    done.set()
+    await poller
+    outcome = "refused" if _refusal(r, 413) else f"wrong: HTTP {r.status_code} {r.text[:80]}"
+    return outcome, seconds, slowest
+
+
+MALFORMED = (  # (path, body, status)
+    ("/v1/chat/completions", b"{not json", 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400),
+    ("/v1/nowhere", b"{}", 404),
+)
+
+
+async def fault_run(url: str, questions: list[str], burst: int, max_tokens: int) -> dict:
+    """Every fault in turn against one server; counts of what each request got, and the timings."""
+    import httpx
+
+    outcomes: list[str] = []
+
+    def body(i: int, tokens: int) -> dict:
+        return {
+            "messages": [{"role": "user", "content": questions[i % len(questions)]}],
+            "max_tokens": tokens,
+            "temperature": 0,
+            "stream": i % 2 == 0,
+        }
+
+    limits = httpx.Limits(max_connections=burst + 8)
+    async with httpx.AsyncClient(limits=limits) as client:
+        outcomes += await asyncio.gather(*(_request(client, url, body(i, max_tokens)) for i in range(burst)))
+        freed = await _idle_after(client, url)
+        n_abandon = max(2, burst // 4)
+        abandoned = await asyncio.gather(*(_abandon(client, url, body(i, 4 * max_tokens)) for i in range(n_abandon)))
+        freed_abandoned = await _idle_after(client, url)
+        if freed_abandoned is None:
+            abandoned = [
+                f"wrong: rows still decoding {FREED_WITHIN_S} s after their clients went away"
+                if a == "abandoned"
+                else a
+                for a in abandoned
+            ]
+        outcomes += abandoned
+        big, big_s, health_s = await _big_body(client, url)
+        outcomes.append(big)
+        for path, content, status in MALFORMED:
+            r = await client.post(f"{url}{path}", content=content, headers={"content-type": "application/json"})
+            outcomes.append("refused" if _refusal(r, status) else f"wrong: {path} HTTP {r.status_code} {r.text[:80]}")
+    counts = {k: sum(o == k for o in outcomes) for k in ("completed", "refused", "abandoned")}
+    wrong = [o for o in outcomes if o.startswith("wrong")]
+    return {
+        "sent": len(outcomes),
+        **counts,
+        "wrong": len(wrong),
+        "wrong_examples": sorted(set(wrong))[:5],
+        "idle_after_burst_s": freed,
+        "freed_after_abandon_s": freed_abandoned,
+        "big_body_s": big_s,
+        "slowest_health_s": health_s,
+    }
+
+
+def render_faults(f: dict) -> str:
+    freed = "never" if f["freed_after_abandon_s"] is None else f"{f['freed_after_abandon_s']:.2f} s"
+    lines = [
+        f"sent {f['sent']}: completed {f['completed']}, refused correctly {f['refused']}, abandoned "
+        f"{f['abandoned']}, wrong {f['wrong']}",
+        f"abandoned rows freed after {freed}; a {BIG_BODY_BYTES >> 20} MB body refused after "
+        f"{f['big_body_s']:.2f} s, slowest /health meanwhile {1000 * f['slowest_health_s']:.0f} ms",
+    ]
+    return "\n".join(lines + [f"  {w}" for w in f["wrong_examples"]])
+
+
 def render(report: dict) -> str:
     lines = ["mode     conc  tok/s  ttft p50/p99 ms   tpot p50/p99 ms   speedup"]
     plain = {r["concurrency"]: r for r in report.get("plain", [])}
@@ -202,20 +362,25 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--requests", type=int, default=16, help="requests per level (at least the concurrency)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--json", help="write the figures here (and a PNG next to it)")
+    p.add_argument("--faults", action="store_true", help="run the server through faults instead (see above)")
+    p.add_argument("--burst", type=int, default=48, help="--faults: requests sent at once")
+    p.add_argument("--max-queue", type=int, default=4, help="--faults: the started server's queue")
     a = p.parse_args(argv)
     try:
         levels = sorted({int(x) for x in a.concurrency.split(",") if x.strip()})
     except ValueError:
         raise EagleError(f"--concurrency {a.concurrency!r}: expected comma-separated integers, e.g. 1,2,4") from None
-    if not levels or min(levels) < 1 or a.requests < 1 or a.max_tokens < 1:
-        raise EagleError("--concurrency levels, --requests and --max-tokens must be >= 1")
+    if not levels or min(levels) < 1 or a.requests < 1 or a.max_tokens < 1 or a.burst < 1 or a.max_queue < 0:
+        raise EagleError("--concurrency levels, --requests, --max-tokens and --burst must be >= 1, --max-queue >= 0")
     if a.json:  # a new file or this command's earlier report (JSON and the PNG next to it)
         if Path(a.json).suffix != ".json":
             raise EagleError(f"--json {a.json}: name a .json file (the .png plot is written next to it)")
-        files.check_output_file(a.json, "json", [a.questions], files.json_with("settings", "spec"))
+        files.check_output_file(a.json, "json", [a.questions], files.json_with("settings"))
         png = Path(a.json).with_suffix(".png")
         files.check_output_file(png, "json", [a.questions], files.holds_bytes(PNG_TITLE.encode()))
     questions = first_turns(Path(a.questions), max(a.requests, max(levels)))
+    if a.faults:
+        return faults(a, questions)
     report: dict = {"settings": {"concurrency": levels, "requests": len(questions), "max_tokens": a.max_tokens}}
     if a.url:
         report["spec"] = measure(a.url.rstrip("/"), questions, levels, a.max_tokens, "server")
@@ -234,6 +399,29 @@ def _main(argv: Sequence[str] | None) -> int:
         files.write_json_atomic(a.json, report)
         plot(report, png)
     return 0
+
+
+def faults(a, questions: list[str]) -> int:
+    """--faults: one server (started here with --max-queue, or --url) through every fault; prints and writes
+    the counts."""
+    report: dict = {"settings": {"burst": a.burst, "max_tokens": a.max_tokens}}
+    proc = None
+    if a.url:
+        url = a.url.rstrip("/")
+    else:
+        common, shown = server_flags(a.target, a.draft, a.dtype, a.max_batch, a.max_len)
+        report["settings"]["server_args"] = [*shown, "--max-queue", str(a.max_queue)]
+        proc, url = start_server([*common, "--max-queue", str(a.max_queue)])
+    try:
+        report["faults"] = asyncio.run(fault_run(url, questions, a.burst, a.max_tokens))
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=60)
+    print(render_faults(report["faults"]))
+    if a.json:
+        files.write_json_atomic(a.json, report)
+    return 0 if report["faults"]["wrong"] == 0 else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

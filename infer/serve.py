@@ -1,8 +1,8 @@
 """Serve a target and its EAGLE head with an OpenAI-compatible API and continuous batching.
 
     python -m infer.serve [--target DIR --draft DIR|context | --config PRESET --models DIR] [--host 127.0.0.1]
-        [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--no-spec] [--dtype fp32]
-        [--mesh data=D,tensor=T]
+        [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--max-request-bytes N] [--no-spec]
+        [--dtype fp32] [--mesh data=D,tensor=T]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
 /metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
@@ -64,15 +64,20 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="row slots decoded together")
     p.add_argument("--max-len", type=int, default=2048, help="cache capacity per row (prompt + answer)")
-    p.add_argument("--max-queue", type=int, default=64, help="waiting requests before 429s")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
     p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        help="larger request bodies get 413 (default: room for the longest prompt --max-len takes)",
+    )
     p.add_argument("--no-spec", action="store_true", help="plain decoding (the head only follows along)")
     p.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     p.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (data must divide --max-batch)")
     a = p.parse_args(argv)
-    for name in ("max_batch", "max_len", "max_queue", "max_tokens"):
-        if getattr(a, name) < 1:
-            raise EagleError(f"--{name.replace('_', '-')} must be >= 1")
+    for name, low in (("max_batch", 1), ("max_len", 1), ("max_queue", 0), ("max_tokens", 1), ("max_request_bytes", 1)):
+        if getattr(a, name) is not None and getattr(a, name) < low:
+            raise EagleError(f"--{name.replace('_', '-')} must be >= {low}")
     if not 0 <= a.port <= 65535:
         raise EagleError(f"--port {a.port} must lie in 0..65535")
     preset = presets.load_preset(a.config) if a.config else None
@@ -123,7 +128,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 0
     import uvicorn
 
-    app = api.create_app(engine, tok, target_dir.name, a.max_tokens)
+    app = api.create_app(engine, tok, target_dir.name, a.max_tokens, a.max_request_bytes)
     log(f"serving {target_dir.name} on http://{a.host}:{a.port}/v1")
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
     return 0

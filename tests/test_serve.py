@@ -61,12 +61,13 @@ def served():
     engine = batcher.Batcher(tparams, tcfg, dparams, dcfg, envelope, slots=SLOTS, capacity=256, chunks=(64, 16))
     engine.warm_up()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(api.create_app(engine, tok, "demo"), port=port, log_level="warning"))
+    app = api.create_app(engine, tok, "demo")
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, (tcfg, tparams, tok)
+    yield f"http://127.0.0.1:{port}", engine, (tcfg, tparams, tok), app.state.api
     server.should_exit = True
     thread.join(timeout=30)
 
@@ -98,7 +99,7 @@ def ask(url, question: str, max_tokens: int, stream: bool = False, model: str = 
 def test_concurrent_clients_get_what_plain_decoding_alone_gives(served):
     """16 clients at once, mixed questions, answer lengths and streaming, over 4 slots (so rows join and leave
     a running batch and the envelope changes with the load): every answer equals plain greedy decoding."""
-    url, engine, models = served
+    url, engine, models, _ = served
     jobs = [(QUESTIONS[i % len(QUESTIONS)], 8 + 7 * (i % 5), i % 2 == 0) for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         answers = list(pool.map(lambda job: ask(url, *job, temperature=0), jobs))
@@ -109,7 +110,7 @@ def test_concurrent_clients_get_what_plain_decoding_alone_gives(served):
 
 
 def test_streamed_and_whole_answers_agree_and_count_usage(served):
-    url, _, models = served
+    url, _, models, _ = served
     whole = client(url).chat.completions.create(
         model="demo", messages=[{"role": "user", "content": QUESTIONS[0]}], max_tokens=20, temperature=0
     )
@@ -126,7 +127,7 @@ def test_streamed_and_whole_answers_agree_and_count_usage(served):
 
 def test_seeded_samples_reproduce_whatever_runs_beside_them(served):
     """A sampled request with a seed gives the same answer alone and amid other rows; another seed differs."""
-    url, _, _ = served
+    url, _, _, _ = served
     kw = dict(temperature=0.9, top_p=0.95, seed=7)
     alone = ask(url, QUESTIONS[1], 30, **kw)[0]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -144,7 +145,7 @@ def test_seeded_samples_reproduce_whatever_runs_beside_them(served):
 
 
 def test_stop_strings_end_the_answer(served):
-    url, _, models = served
+    url, _, models, _ = served
     full = plain_answer(models, QUESTIONS[3], 40)
     stop = full[10:14]
     text, reason = ask(url, QUESTIONS[3], 40, temperature=0, stop=[stop])
@@ -152,7 +153,7 @@ def test_stop_strings_end_the_answer(served):
 
 
 def test_a_client_that_goes_away_frees_its_slot(served):
-    url, engine, models = served
+    url, engine, models, _ = served
     body = {"model": "demo", "messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 200}
     body |= {"stream": True, "temperature": 0}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
@@ -178,12 +179,20 @@ BAD_REQUESTS = {
     "top_p 0": ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
     "n 2": ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
     "prompt longer than the cache": ({"messages": [{"role": "user", "content": "word " * 600}]}, 400),
+    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+    "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400),
+    "logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, 400),
+    "tools": (
+        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}], "tool_choice": "required"},
+        400,
+    ),
+    "json mode": ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_requests_get_openai_errors(served, case):
-    url, engine, _ = served
+    url, engine, _, _ = served
     body, status = BAD_REQUESTS[case]
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     r = httpx.post(f"{url}/v1/chat/completions", content=content, headers={"content-type": "application/json"})
@@ -193,16 +202,178 @@ def test_bad_requests_get_openai_errors(served, case):
     assert httpx.get(f"{url}/health").status_code == 200 and engine.live == 0
 
 
-def test_a_full_queue_says_when_to_retry(served, monkeypatch):
-    url, engine, _ = served
-    monkeypatch.setattr(engine, "max_queue", 0)
+@pytest.mark.parametrize(
+    "field", ["logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "presence_penalty", "logit_bias"]
+)
+def test_fields_the_server_does_not_implement_are_named(served, field):
+    url, _, _, _ = served
+    value = {"logprobs": True, "top_logprobs": 3, "tools": [{"type": "function"}], "tool_choice": "required"}
+    value |= {"response_format": {"type": "json_object"}, "presence_penalty": 0.5, "logit_bias": {"1": 5}}
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value[field]}
+    r = httpx.post(f"{url}/v1/chat/completions", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == field and repr(field) in error["message"]
+
+
+def test_every_error_is_an_openai_error_object(served, monkeypatch):
+    url, _, _, app_api = served
+    for method, path, status in (("GET", "/v1/chat/completions", 405), ("GET", "/nowhere", 404)):
+        r = httpx.request(method, f"{url}{path}")
+        assert r.status_code == status and r.json()["error"]["message"], r.text
+
+    def fails(*_):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(app_api, "respond", fails)
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "planted" in r.text
+
+
+def test_what_openai_accepts_is_accepted(served):
+    """Text parts, a developer message, token-id prompts and lists of prompts (one choice each, in order,
+    streamed or not) answer as plain decoding of the same prompt does."""
+    url, _, models, _ = served
+    tcfg, tparams, tok = models
+    c = client(url)
+    parts = [{"type": "text", "text": QUESTIONS[3]}]
+    r = c.chat.completions.create(
+        model="demo", messages=[{"role": "user", "content": parts}], max_tokens=12, temperature=0
+    )
+    assert r.choices[0].message.content == plain_answer(models, QUESTIONS[3], 12)
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
+    r = c.chat.completions.create(model="demo", messages=messages, max_tokens=8, temperature=0)
+    ids = loading.encode_chat(
+        tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
+    )
+    assert r.choices[0].message.content == tok.decode(
+        plain.generate(tparams, tcfg, [ids], 8).tokens[0], skip_special_tokens=True
+    )
+
+    texts = ["The weather today", "Once upon a time"]
+    ids = [list(tok(t).input_ids) for t in texts]
+    expected = [tok.decode(t, skip_special_tokens=True) for t in plain.generate(tparams, tcfg, ids, 10).tokens]
+    for prompt in (texts, ids, ids[1]):
+        r = c.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0)
+        got = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
+        assert got == (expected if prompt is not ids[1] else expected[1:])
+        assert r.usage.prompt_tokens == sum(map(len, ids if prompt is not ids[1] else ids[1:]))
+    streamed = ["", ""]
+    for chunk in c.completions.create(model="demo", prompt=texts, max_tokens=10, temperature=0, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == expected
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, tcfg.vocab_size]})
+    assert r.status_code == 400 and "outside" in r.json()["error"]["message"]
+
+
+def test_usage_stops_at_the_token_that_completes_the_stop_string(served):
+    """A cycle accepts several tokens at once: usage counts up to the one that completes the stop string."""
+    url, _, models, _ = served
+    tcfg, tparams, tok = models
+    ids = loading.encode_chat(tok, [{"role": "user", "content": QUESTIONS[3]}])
+    answer = plain.generate(tparams, tcfg, [ids], 40).tokens[0]
+    text = tok.decode(answer, skip_special_tokens=True)
+    for stop in {text[6:9], text[15:17], text[24:27]}:
+        counted = next(j for j in range(1, 41) if stop in tok.decode(answer[:j], skip_special_tokens=True))
+        r = client(url).chat.completions.create(
+            model="demo",
+            messages=[{"role": "user", "content": QUESTIONS[3]}],
+            max_tokens=40,
+            temperature=0,
+            stop=[stop],
+        )
+        assert r.choices[0].message.content == text[: text.find(stop)] and r.usage.completion_tokens == counted
+
+
+def slow_cycles(monkeypatch, engine, seconds: float) -> None:
+    """Every cycle of the engine takes `seconds` longer (rows stay busy long enough to watch them)."""
+    cycle = engine._cycle
+
+    def slow(*args, **kw):
+        time.sleep(seconds)
+        return cycle(*args, **kw)
+
+    monkeypatch.setattr(engine, "_cycle", slow)
+
+
+def wait_idle(engine, seconds: float) -> bool:
+    deadline = time.time() + seconds
+    while (engine.live or engine.waiting) and time.time() < deadline:
+        time.sleep(0.02)
+    return not (engine.live or engine.waiting)
+
+
+def test_admission_counts_free_slots_and_refuses_before_the_response(served, monkeypatch):
+    """With no queue, an idle server takes as many requests as it has slots; the next one, streaming or not, gets
+    a 429 with Retry-After before its response starts (never a 200 stream that is then cut)."""
+    url, engine, models, _ = served
+    monkeypatch.setattr(engine, "max_queue", 0)
+    slow_cycles(monkeypatch, engine, 0.1)
+    long = [QUESTIONS[i] for i in (1, 2, 6, 7)]  # answers longer than 60 tokens: every row stays busy
+    with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
+        jobs = [pool.submit(ask, url, q, 60, i % 2 == 0, temperature=0) for i, q in enumerate(long)]
+        deadline = time.time() + 30
+        while engine.live < SLOTS and time.time() < deadline:
+            time.sleep(0.01)
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        for stream in (True, False):
+            with httpx.stream("POST", f"{url}/v1/chat/completions", json=body | {"stream": stream}) as r:
+                assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
+                assert json.loads(r.read())["error"]["type"] == "rate_limit_error"
+        assert engine.live == SLOTS  # refused while every slot was taken
+        answers = [j.result() for j in jobs]
+    assert [a[0] for a in answers] == [plain_answer(models, q, 60) for q in long]
+    assert wait_idle(engine, 10)
+
+
+def test_a_client_that_gives_up_on_a_whole_answer_frees_its_row(served, monkeypatch):
+    """A non-streaming request whose client times out stops decoding at once instead of running to max_tokens."""
+    url, engine, _, _ = served
+    slow_cycles(monkeypatch, engine, 0.2)  # 200 tokens would take over 10 s
+    body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 200, "temperature": 0}
+    before = engine.stats.generated_tokens
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/chat/completions", json=body, timeout=1.0)
+    assert wait_idle(engine, 3.0)
+    assert engine.stats.generated_tokens - before < 100
+
+
+class SpyTokenizer:
+    """The server's tokenizer, noting the threads that encode with it."""
+
+    def __init__(self, tok):
+        self.tok, self.threads = tok, []
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __call__(self, *args, **kw):
+        self.threads.append(threading.current_thread().name)
+        return self.tok(*args, **kw)
+
+
+def test_big_requests_stall_nothing(served, monkeypatch):
+    """A body above the byte limit gets 413 at once; a prompt whose characters already need more tokens than a
+    row holds gets 400 without being tokenised; prompts are tokenised off the event loop."""
+    url, engine, models, app_api = served
+    spy = SpyTokenizer(models[2])
+    monkeypatch.setattr(app_api, "tok", spy)
+    big = json.dumps({"messages": [{"role": "user", "content": "word " * 4_000_000}]}).encode()  # 20 MB
+    assert len(big) > app_api.max_request_bytes
+    r = httpx.post(f"{url}/v1/chat/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "--max-request-bytes" in r.json()["error"]["message"]
+    chars = engine.max_prompt * app_api.max_token_chars + 1
+    long = {"messages": [{"role": "user", "content": "a" * chars}]}
+    assert len(json.dumps(long)) < app_api.max_request_bytes
+    r = httpx.post(f"{url}/v1/chat/completions", json=long)
+    assert r.status_code == 400 and "at least" in r.json()["error"]["message"]
+    assert r.json()["error"]["code"] == "context_length_exceeded" and spy.threads == []
+    assert ask(url, QUESTIONS[0], 4, temperature=0)[0] == plain_answer(models, QUESTIONS[0], 4)
+    assert spy.threads and all(name.startswith("eagle-jax-tokenizer") for name in spy.threads)
 
 
 def test_models_health_metrics(served):
-    url, engine, _ = served
+    url, engine, _, _ = served
     assert [m.id for m in client(url).models.list().data] == ["demo"]
     assert httpx.get(f"{url}/health").json()["status"] == "ok"
     text = httpx.get(f"{url}/metrics").text
@@ -267,7 +438,7 @@ def test_loadtest_reports_model_paths_without_the_machines_folders(tmp_path):
 def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
     from infer import loadtest
 
-    url, _, _ = served
+    url, _, _, _ = served
     out = tmp_path / "load.json"
     args = ["--url", url, "--concurrency", "1,3", "--requests", "3", "--max-tokens", "8", "--json", str(out)]
     assert loadtest.main(args) == 0
@@ -285,6 +456,23 @@ def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
     assert loadtest.main([*args[:-1], str(foreign)]) == 2
     assert "was not written by this command" in capsys.readouterr().err
     assert foreign.read_text() == '{"mine": 1}'
+
+
+def test_loadtest_fault_mode_finds_nothing_wrong(served, monkeypatch, tmp_path, capsys):
+    """A burst beyond the slots (no queue), clients that go away, a 32 MB body, malformed requests: each
+    request completes, is refused correctly or is abandoned; none is wrong."""
+    from infer import loadtest
+
+    url, engine, _, _ = served
+    monkeypatch.setattr(engine, "max_queue", 0)
+    slow_cycles(monkeypatch, engine, 0.05)
+    out = tmp_path / "faults.json"
+    args = ["--url", url, "--faults", "--burst", "12", "--max-tokens", "24", "--json", str(out)]
+    assert loadtest.main(args) == 0, capsys.readouterr()
+    f = json.loads(out.read_text())["faults"]
+    assert f["wrong"] == 0 and f["sent"] == f["completed"] + f["refused"] + f["abandoned"]
+    assert f["completed"] >= SLOTS and f["refused"] >= 12 - SLOTS + 1 + len(loadtest.MALFORMED) and f["abandoned"] >= 1
+    assert f["freed_after_abandon_s"] is not None and "wrong 0" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -1,26 +1,32 @@
 """The OpenAI-compatible HTTP API over a `Batcher`: chat and text completions (streamed as server-sent
 events or whole), models, health and Prometheus metrics.
 
-Each request becomes a `batcher.Request`; the engine thread hands its tokens to an asyncio queue of the
-request's handler, which detokenises them incrementally, applies stop strings (a met stop string cancels
-the row) and writes OpenAI-format chunks. A client that disconnects cancels its row; its slot is free
-before the next cycle. Errors are OpenAI-style JSON bodies: 400 for a bad request, 404 for an unknown
-model, 429 with Retry-After when the waiting queue is full.
+Each request is read (up to a byte limit: 413 beyond it), parsed and tokenised on a worker thread (the event
+loop keeps serving meanwhile) and admitted before its response starts (429 with Retry-After when the free
+slots and the queue cannot take it, streaming or not). Each prompt becomes a `batcher.Request`; the engine
+thread hands its tokens to an asyncio queue of the request's handler, which detokenises them incrementally,
+applies stop strings (a met stop string cancels the row) and writes OpenAI-format chunks. A client that goes
+away, streaming or not, cancels its rows; their slots are free before the next cycle. Every error is an
+OpenAI error object. Fields the server does not implement (logprobs, tools, response formats, penalties,
+logit bias, echo, best_of, suffix) are refused with a 400 that names them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
@@ -29,6 +35,25 @@ from eagle_jax.serving import batcher as batching
 
 RETRY_AFTER_S = 1
 MAX_STOPS = 4
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# fields that change an answer and are not implemented: refused unless left at their default
+UNSUPPORTED: dict[str, Callable[[object], bool]] = {
+    "logprobs": lambda v: v in (None, False, 0),
+    "top_logprobs": lambda v: v in (None, 0),
+    "tools": lambda v: not v,
+    "tool_choice": lambda v: v in (None, "none", "auto"),
+    "functions": lambda v: not v,
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    "logit_bias": lambda v: not v,
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "echo": lambda v: v in (None, False),
+    "best_of": lambda v: v in (None, 1),
+    "suffix": lambda v: v in (None, ""),
+}
+PROMPT_HELP = "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either"
+ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
 class BadRequest(Exception):
@@ -37,22 +62,43 @@ class BadRequest(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-def error_response(message: str, status: int, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = {404: "not_found_error", 429: "rate_limit_error", 503: "server_error"}.get(status, "invalid_request_error")
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status in (429, 503) else None
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+def error_response(
+    message: str, status: int, param: str | None = None, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    """An OpenAI error object."""
+    if status in (429, 503):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
+    body = {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
     return JSONResponse(body, status_code=status, headers=headers)
 
 
 @dataclass(frozen=True)
 class Parsed:
-    prompt: list[int]
+    prompts: tuple[list[int], ...]  # one per choice (a chat has one; a completion takes a list of prompts)
     max_tokens: int
     sampling: SamplingConfig
     seed: int
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+
+
+@dataclass
+class Choice:
+    """One answer being generated: its row's request, its ids so far, what of its text was sent."""
+
+    req: batching.Request
+    ids: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the text already handed out
+    tokens: int = 0  # what usage counts: up to the token that completes a stop string
+    reason: str | None = None  # finish reason, once finished
 
 
 def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
@@ -77,13 +123,127 @@ def _seed(seed: int | None) -> int:
     return (seed & 0xFFFFFFFF) ^ (seed >> 32)
 
 
+def _is_ids(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _text(content: object, param: str) -> str:
+    """A message's content: a string, or text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "\n".join(p["text"] for p in content)
+    raise BadRequest(f"'{param}' must be a string or a list of text parts ({{type: text, text}})", param=param)
+
+
+def _stop_at(text: str, stops: Sequence[str]) -> int:
+    """Where the first stop string starts in text, or -1."""
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+
+
+def request_bytes_for(max_prompt: int, max_token_chars: int) -> int:
+    """A body limit that takes the longest prompt the server accepts: every token as long as the longest in the
+    vocabulary, every character escaped in JSON (6 bytes), plus 64 KiB for the other fields."""
+    return max_prompt * 6 * max_token_chars + 65536
+
+
+async def _read(request: Request, limit: int) -> bytes:
+    """The request's body, refused with 413 beyond `limit` bytes (at once when its Content-Length says so)."""
+    size = request.headers.get("content-length", "")
+    too_big = f"the request body is larger than this server's limit of {limit} bytes (--max-request-bytes)"
+    if size.isdigit() and int(size) > limit:
+        raise BadRequest(too_big, 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise BadRequest(too_big, 413)
+    return bytes(body)
+
+
+async def _cancel_when_gone(request: Request, choices: list[Choice]) -> None:
+    """Cancel the rows of a client that disconnects before its whole answer is ready."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    for c in choices:
+        c.req.cancel()
+
+
 class Api:
     """Request parsing and response writing for one model served by one batcher."""
 
-    def __init__(self, engine: batching.Batcher, tokenizer, model: str, default_max_tokens: int = 256):
+    def __init__(
+        self,
+        engine: batching.Batcher,
+        tokenizer,
+        model: str,
+        default_max_tokens: int = 256,
+        max_request_bytes: int | None = None,
+    ):
         self.engine, self.tok, self.model, self.default_max_tokens = engine, tokenizer, model, default_max_tokens
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()))  # no token covers more characters
+        self.max_request_bytes = max_request_bytes or request_bytes_for(engine.max_prompt, self.max_token_chars)
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eagle-jax-tokenizer")
 
-    def parse(self, body: object, chat: bool) -> Parsed:
+    async def read(self, request: Request, chat: bool) -> Parsed:
+        """Read, parse and tokenise a request off the event loop."""
+        raw = await _read(request, self.max_request_bytes)
+        return await asyncio.get_running_loop().run_in_executor(self.worker, self.parse, raw, chat)
+
+    def _check_chars(self, chars: int, param: str) -> None:
+        """Refuse, without tokenising it, a prompt whose characters already need more tokens than a row holds."""
+        if chars > self.engine.max_prompt * self.max_token_chars:
+            raise BadRequest(
+                f"the prompt has at least {-(-chars // self.max_token_chars)} tokens ({chars} characters); this "
+                f"server takes {self.engine.max_prompt}; shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def _chat_prompt(self, messages: object) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty list of {role, content}", param="messages")
+        turns = []
+        for i, m in enumerate(messages):
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ROLES:
+                raise BadRequest(
+                    f"messages[{i}]: role {role!r} is not supported; use {', '.join(ROLES)}",
+                    param=f"messages[{i}].role",
+                )
+            turns.append({"role": ROLES[role], "content": _text(m.get("content"), f"messages[{i}].content")})
+        self._check_chars(sum(len(t["content"]) for t in turns), "messages")
+        return encode_chat(self.tok, turns, self.tok.chat_template is not None)
+
+    def _text_prompts(self, prompt: object) -> list[list[int]]:
+        if isinstance(prompt, str) or _is_ids(prompt):
+            prompt = [prompt]
+        if not isinstance(prompt, list) or not prompt:
+            raise BadRequest(PROMPT_HELP, param="prompt")
+        most = self.engine.slots + self.engine.max_queue
+        if len(prompt) > most:
+            raise BadRequest(f"{len(prompt)} prompts in one request; this server takes at most {most}", param="prompt")
+        vocab = self.engine.tcfg.vocab_size
+        ids = []
+        for p in prompt:
+            if isinstance(p, str) and p:
+                self._check_chars(len(p), "prompt")
+                ids.append(list(self.tok(p).input_ids))
+            elif _is_ids(p):
+                if not all(0 <= t < vocab for t in p):
+                    raise BadRequest(f"'prompt' holds token ids outside 0..{vocab - 1}", param="prompt")
+                ids.append(list(p))
+            else:
+                raise BadRequest(PROMPT_HELP, param="prompt")
+        return ids
+
+    def parse(self, raw: bytes, chat: bool) -> Parsed:
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"the request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")
@@ -96,26 +256,15 @@ class Api:
             )
         if _number(body, "n", 1, int) != 1:
             raise BadRequest("only n=1 is supported", param="n")
-        if chat:
-            messages = body.get("messages")
-            if (
-                not isinstance(messages, list)
-                or not messages
-                or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages
-                )
-            ):
-                raise BadRequest("'messages' must be a non-empty list of {role, content} strings", param="messages")
-            messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-            prompt = encode_chat(self.tok, messages, self.tok.chat_template is not None)
-        else:
-            text = body.get("prompt")
-            if isinstance(text, list) and len(text) == 1 and isinstance(text[0], str):
-                text = text[0]
-            if not isinstance(text, str) or not text:
-                raise BadRequest("'prompt' must be a non-empty string", param="prompt")
-            prompt = list(self.tok(text).input_ids)
+        refused = [name for name, unset in UNSUPPORTED.items() if not unset(body.get(name))]
+        if refused:
+            raise BadRequest(
+                f"this server does not support {', '.join(map(repr, refused))}; leave {'them' if refused[1:] else 'it'}"
+                " out",
+                param=refused[0],
+                code="unsupported_parameter",
+            )
+        prompts = [self._chat_prompt(body.get("messages"))] if chat else self._text_prompts(body.get("prompt"))
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = _number(body, max_name, self.default_max_tokens, int, low=1)
         try:
@@ -142,105 +291,129 @@ class Api:
             raise BadRequest("'stream' must be true or false", param="stream")
         options = body.get("stream_options") or {}
         include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
-        try:
-            self.engine.check(prompt, max_tokens)
-        except EagleError as exc:
-            raise BadRequest(str(exc), param="messages" if chat else "prompt", code="context_length_exceeded") from None
-        return Parsed(prompt, max_tokens, sampling, seed, tuple(stops or ()), stream, include_usage)
+        for prompt in prompts:
+            try:
+                self.engine.check(prompt, max_tokens)
+            except EagleError as exc:
+                param = "messages" if chat else "prompt"
+                raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
+        return Parsed(tuple(prompts), max_tokens, sampling, seed, tuple(stops or ()), stream, include_usage)
 
-    async def complete(self, parsed: Parsed) -> AsyncIterator[tuple[str, str | None, int]]:
-        """Run one request: yields (text delta, None, tokens so far) as text becomes final, then
-        ("", finish reason, tokens)."""
+    def admit(self, parsed: Parsed) -> tuple[list[Choice], asyncio.Queue]:
+        """Queue a row per prompt, all or none (`batcher.QueueFull`), before any response starts. The engine
+        thread puts (choice index, "tokens" | "finish", new ids | reason) on the returned queue."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        req = batching.Request(
-            parsed.prompt,
-            parsed.max_tokens,
-            parsed.sampling,
-            parsed.seed,
-            on_tokens=lambda ids: loop.call_soon_threadsafe(events.put_nowait, ("tokens", ids)),
-            on_finish=lambda why: loop.call_soon_threadsafe(events.put_nowait, ("finish", why)),
-        )
-        self.engine.submit(req)
-        ids: list[int] = []
-        sent = 0
+
+        def request(i: int, prompt: list[int]) -> batching.Request:
+            def put(kind: str, value) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (i, kind, value))
+
+            return batching.Request(
+                prompt,
+                parsed.max_tokens,
+                parsed.sampling,
+                parsed.seed,
+                on_tokens=lambda ids: put("tokens", ids),
+                on_finish=lambda why: put("finish", why),
+            )
+
+        choices = [Choice(request(i, p)) for i, p in enumerate(parsed.prompts)]
+        self.engine.submit(*(c.req for c in choices))
+        return choices, events
+
+    async def deltas(
+        self, parsed: Parsed, choices: list[Choice], events: asyncio.Queue
+    ) -> AsyncIterator[tuple[int, str, str | None]]:
+        """(choice index, text delta, None) as text becomes final, and (index, last delta, finish reason) once
+        per choice; every row is cancelled on the way out (a no-op for finished ones)."""
+        decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
         hold = max((len(s) for s in parsed.stops), default=1) - 1
         try:
-            while True:
-                kind, value = await events.get()
-                if kind == "tokens":
-                    ids += value
-                    text = self.tok.decode(ids, skip_special_tokens=True)
-                    cut = min((i for i in (text.find(s) for s in parsed.stops) if i >= 0), default=-1)
-                    if cut >= 0:
-                        req.cancel()
-                        yield text[sent:cut], None, len(ids)
-                        yield "", "stop", len(ids)
-                        return
-                    ready = len(text) - hold
-                    if text.endswith("\ufffd"):
-                        ready = min(ready, len(text.rstrip("\ufffd")))
-                    if ready > sent:
-                        yield text[sent:ready], None, len(ids)
-                        sent = ready
-                else:
-                    text = self.tok.decode(ids, skip_special_tokens=True)
-                    yield text[sent:], None, len(ids)
-                    yield "", "length" if value == "length" else "stop", len(ids)
-                    return
+            while any(c.reason is None for c in choices):
+                i, kind, value = await events.get()
+                c = choices[i]
+                if c.reason is not None:  # a row cancelled by its stop string, still finishing
+                    continue
+                if kind == "finish":
+                    c.reason = "length" if value == "length" else "stop"
+                    yield i, decode(c.ids)[c.sent :], c.reason
+                    continue
+                before, c.ids = len(c.ids), c.ids + value
+                text = decode(c.ids)
+                cut = _stop_at(text, parsed.stops)
+                if cut >= 0:  # usage counts up to the token that completes the stop string
+                    c.req.cancel()
+                    ends = (j for j in range(before + 1, len(c.ids)) if _stop_at(decode(c.ids[:j]), parsed.stops) >= 0)
+                    c.tokens, c.reason = next(ends, len(c.ids)), "stop"
+                    yield i, text[c.sent : cut], c.reason
+                    continue
+                c.tokens = len(c.ids)
+                ready = len(text) - hold
+                if text.endswith("\ufffd"):
+                    ready = min(ready, len(text.rstrip("\ufffd")))
+                if ready > c.sent:
+                    yield i, text[c.sent : ready], None
+                    c.sent = ready
         finally:
-            req.cancel()  # a no-op for a finished row; frees the slot of one whose client went away
+            for c in choices:
+                c.req.cancel()
 
     def _body(self, rid: str, created: int, chat: bool, part: str, choices: list[dict]) -> dict:
         """A response (part "message") or stream chunk (part "delta") around its choices."""
         kind = ("chat.completion" if part == "message" else "chat.completion.chunk") if chat else "text_completion"
         return {"id": rid, "object": kind, "created": created, "model": self.model, "choices": choices}
 
-    def _usage(self, parsed: Parsed, completion: int) -> dict:
-        return {
-            "prompt_tokens": len(parsed.prompt),
-            "completion_tokens": completion,
-            "total_tokens": len(parsed.prompt) + completion,
-        }
+    @staticmethod
+    def _usage(parsed: Parsed, choices: list[Choice]) -> dict:
+        prompt, completion = sum(map(len, parsed.prompts)), sum(c.tokens for c in choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def respond(self, parsed: Parsed, chat: bool):
+    async def respond(self, parsed: Parsed, chat: bool, request: Request) -> Response:
+        choices, events = self.admit(parsed)  # QueueFull here is a 429, before any byte of the response
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         if not parsed.stream:
-            text, reason, tokens = "", None, 0
-            async for delta, why, tokens in self.complete(parsed):  # noqa: B007 (the last count is used)
-                text, reason = text + delta, why or reason
-            message = {"role": "assistant", "content": text} if chat else text
-            body = self._body(rid, created, chat, "message", [_choice(chat, "message", message, reason)])
-            return JSONResponse({**body, "usage": self._usage(parsed, tokens)})
+            texts = [""] * len(choices)
+            watch = asyncio.create_task(_cancel_when_gone(request, choices))
+            try:
+                async for i, delta, _ in self.deltas(parsed, choices, events):
+                    texts[i] += delta
+            finally:
+                watch.cancel()
+            parts = [
+                _choice(chat, "message", {"role": "assistant", "content": t} if chat else t, c.reason, i)
+                for i, (t, c) in enumerate(zip(texts, choices))
+            ]
+            body = self._body(rid, created, chat, "message", parts)
+            return JSONResponse({**body, "usage": self._usage(parsed, choices)})
 
-        def chunk(delta: dict | str, reason: str | None, usage: dict | None = None, choices: bool = True) -> str:
-            body = self._body(rid, created, chat, "delta", [_choice(chat, "delta", delta, reason)] if choices else [])
+        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+            body = self._body(rid, created, chat, "delta", [choice] if choice else [])
             if usage is not None:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        async def events() -> AsyncIterator[str]:
+        async def stream() -> AsyncIterator[str]:
             if chat:
-                yield chunk({"role": "assistant", "content": ""}, None)
-            tokens = 0
-            async for delta, why, tokens in self.complete(parsed):  # noqa: B007 (the last count is used)
+                yield chunk(_choice(chat, "delta", {"role": "assistant", "content": ""}, None))
+            async for i, delta, why in self.deltas(parsed, choices, events):
                 if delta:
-                    yield chunk({"content": delta} if chat else delta, None)
+                    yield chunk(_choice(chat, "delta", {"content": delta} if chat else delta, None, i))
                 if why:
-                    yield chunk({} if chat else "", why)
+                    yield chunk(_choice(chat, "delta", {} if chat else "", why, i))
             if parsed.include_usage:
-                yield chunk({}, None, self._usage(parsed, tokens), choices=False)
+                yield chunk(None, self._usage(parsed, choices))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream")
 
 
-def _choice(chat: bool, part: str, content: dict | str, reason: str | None) -> dict:
+def _choice(chat: bool, part: str, content: dict | str, reason: str | None, index: int = 0) -> dict:
     """One choice: a chat message or delta (`part`), or a completion's text."""
     if chat:
-        return {"index": 0, part: content, "finish_reason": reason}
-    return {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
+        return {"index": index, part: content, "finish_reason": reason}
+    return {"index": index, "text": content, "logprobs": None, "finish_reason": reason}
 
 
 def metrics_text(engine: batching.Batcher) -> str:
@@ -282,25 +455,41 @@ def metrics_text(engine: batching.Batcher) -> str:
     return "\n".join(lines) + "\n"
 
 
-def create_app(engine: batching.Batcher, tokenizer, model: str, default_max_tokens: int = 256) -> FastAPI:
-    """The FastAPI app; the engine thread is started and stopped with it."""
-    api = Api(engine, tokenizer, model, default_max_tokens)
+def create_app(
+    engine: batching.Batcher,
+    tokenizer,
+    model: str,
+    default_max_tokens: int = 256,
+    max_request_bytes: int | None = None,
+) -> FastAPI:
+    """The FastAPI app; the engine thread is started and stopped with it. `app.state.api` is its `Api`."""
+    api = Api(engine, tokenizer, model, default_max_tokens, max_request_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         yield
         engine.stop()
+        api.worker.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="eagle-jax", lifespan=lifespan)
+    app.state.api = api
 
-    async def handle(request: Request, chat: bool):
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):  # unknown routes (404), wrong methods (405)
+        return error_response(str(exc.detail), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return error_response(str(exc), 422)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):
+        return error_response(f"the server failed: {type(exc).__name__}: {exc}", 500)
+
+    async def handle(request: Request, chat: bool) -> Response:
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            return error_response(f"the request body is not valid JSON: {exc}", 400)
-        try:
-            return await api.respond(api.parse(body, chat), chat)
+            return await api.respond(await api.read(request, chat), chat, request)
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.param, exc.code)
         except batching.QueueFull as exc:

@@ -181,6 +181,7 @@ class Batcher:
         self.shown = np.zeros(slots, np.int64)  # tokens already handed to each row's request
         self.cached: list[list[int]] = [[] for _ in range(slots)]  # what each slot's caches hold
         self.queue: collections.deque[Request] = collections.deque()
+        self.claimed = 0  # requests taken from the queue for free slots, not yet admitted
         self.wake = threading.Condition()
         self.stats = Stats()
         self.running = False
@@ -188,26 +189,36 @@ class Batcher:
 
     # ------------------------------------------------------------ requests
 
+    @property
+    def max_prompt(self) -> int:
+        """The longest prompt a row can take (its cache holds the prompt, one token and a cycle's tree)."""
+        return self.capacity - self.overhead - 1
+
     def check(self, prompt: Sequence[int], max_tokens: int) -> None:
         """Refuse a request that can never run (the caller turns this into a 400)."""
         if not prompt:
             raise EagleError("the prompt is empty")
         if max_tokens < 1:
             raise EagleError(f"max_tokens={max_tokens} must be >= 1")
-        if len(prompt) + self.overhead >= self.capacity:
+        if len(prompt) > self.max_prompt:
             raise EagleError(
                 f"the prompt has {len(prompt)} tokens; this server's cache holds {self.capacity} "
-                f"({self.capacity - self.overhead - 1} for a prompt); shorten it"
+                f"({self.max_prompt} for a prompt); shorten it"
             )
 
-    def submit(self, req: Request) -> None:
-        self.check(req.prompt, req.max_tokens)
+    def submit(self, *reqs: Request) -> None:
+        """Queue requests, all or none: QueueFull when the free slots and the queue's room cannot take them all
+        (an idle server takes as many requests as it has slots before it counts the queue)."""
+        for req in reqs:
+            self.check(req.prompt, req.max_tokens)
         with self.wake:
-            if len(self.queue) >= self.max_queue:
-                self.stats.rejected += 1
-                raise QueueFull(f"{len(self.queue)} requests are waiting")
-            self.queue.append(req)
-            self.stats.requests += 1
+            taken = sum(r is not None and not r.cancelled for r in self.rows) + self.claimed  # cancelled: free
+            room = self.max_queue + self.slots - taken - len(self.queue)
+            if len(reqs) > room:
+                self.stats.rejected += len(reqs)
+                raise QueueFull(f"{len(self.queue)} requests are waiting and every slot is taken")
+            self.queue.extend(reqs)
+            self.stats.requests += len(reqs)
             self.wake.notify()
 
     @property
@@ -317,6 +328,7 @@ class Batcher:
         while self.queue and free:
             with self.wake:
                 req = self.queue.popleft()
+                self.claimed += not req.cancelled
             if req.cancelled:
                 req.on_finish("cancelled")
                 continue
@@ -333,6 +345,8 @@ class Batcher:
                 self._finish(slot, "cancelled")
         for a in plan.admit:
             self._admit(a.request, a.slot)
+            with self.wake:
+                self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
         live = [s for s, r in enumerate(self.rows) if r is not None]
         if not live:
             return False
