@@ -341,24 +341,46 @@ def test_profile_names_where_the_cycle_spends_its_time(tmp_path, capsys):
 CYCLE_OPS, CYCLE_COPIES = 528, 23
 
 
-def test_the_cycle_keeps_its_op_census(golden_dir, golden_target):
-    from eagle_jax.decoding import profiling, speculative
+def _compiled_cycle(golden_dir, golden_target, tree):
+    """The golden pair's compiled cycle loop for `tree`, and the shape of its KV cache as the HLO writes it."""
+    from eagle_jax.decoding import speculative
     from eagle_jax.decoding.sampling import SamplingConfig
-    from eagle_jax.decoding.tree import DynamicTree
     from eagle_jax.io import loading
 
     tcfg, tparams = golden_target
-    dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
-    tree = DynamicTree(5, 4, 1)
+    dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg) if tree.needs_head else (None, None)
     p = speculative.prepare([[5, 6, 7, 8, 9, 10]], 16, tree, tcfg)
     static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=SamplingConfig())
     key = jax.random.key(0)
     state = speculative.prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
     compiled = speculative.run_span.lower(tparams, dparams, state, span=p.capacity, **static).compile()
+    return compiled, "f32[" + ",".join(map(str, state.target_cache.k.shape)) + "]"
+
+
+def _whole_cache_copies(compiled, cache: str) -> list[str]:
+    return [line for line in compiled.as_text().splitlines() if f"= {cache}" in line and " copy(" in line]
+
+
+def test_the_cycle_keeps_its_op_census(golden_dir, golden_target):
+    from eagle_jax.decoding import profiling
+    from eagle_jax.decoding.tree import DynamicTree
+
+    compiled, cache = _compiled_cycle(golden_dir, golden_target, DynamicTree(5, 4, 1))
     census = profiling.op_census(compiled)
     total = sum(census.values())
-    assert total < CYCLE_OPS + tcfg.num_layers, f"the cycle has {total} ops (was {CYCLE_OPS}): {census}"
+    assert total < CYCLE_OPS + golden_target[0].num_layers, f"the cycle has {total} ops (was {CYCLE_OPS}): {census}"
     assert census.get("copy", 0) <= CYCLE_COPIES, f"the cycle has {census.get('copy')} copies (was {CYCLE_COPIES})"
-    cache = "f32[" + ",".join(map(str, state.target_cache.k.shape)) + "]"
-    whole = [line for line in compiled.as_text().splitlines() if f"= {cache}" in line and " copy(" in line]
+    whole = _whole_cache_copies(compiled, cache)
     assert not whole, f"the cycle copies a whole KV cache: {whole[:2]}"
+
+
+def test_a_context_cycle_copies_no_cache(golden_dir, golden_target):
+    """The cond between the whole tree and its head's part only reads the caches (written in a branch, XLA
+    copied them whole, twice a cycle: 40% of a SmolLM2 plain step at a 1024-slot cache)."""
+    from eagle_jax.decoding.tree import DynamicTree, NoDraft
+
+    for tree in (NoDraft(context=7), DynamicTree(5, 4, 1, context=7)):
+        compiled, cache = _compiled_cycle(golden_dir, golden_target, tree)
+        assert " conditional(" in compiled.as_text()
+        whole = _whole_cache_copies(compiled, cache)
+        assert not whole, f"{tree}: the cycle copies a whole KV cache: {whole[:2]}"

@@ -132,13 +132,13 @@ def test_a_context_cycle_has_a_narrow_branch_for_rows_without_candidates(monkeyp
     tcfg, tparams, dcfg, dparams = pair
     prompts = [[11, 14, 17, 20, 23, 26, 29, 32]]  # nothing recurs in the prompt
     widths = []
-    real = speculative._verify
+    real = speculative._forward
 
     def spy(*args, **kw):
-        widths.append(args[4].tokens.shape[1])  # the tree a branch verifies
+        widths.append(args[2].tokens.shape[1])  # the tree a branch verifies
         return real(*args, **kw)
 
-    monkeypatch.setattr(speculative, "_verify", spy)
+    monkeypatch.setattr(speculative, "_forward", spy)
     ref = plain.generate(tparams, tcfg, prompts, 6).tokens
     for tree, head in ((NoDraft(context=5, min_match=4), False), (DynamicTree(5, 4, 1, context=5), True)):
         widths.clear()

@@ -414,30 +414,25 @@ def test_sampling_tests_reject_a_subtle_bias(monkeypatch):
     """An engine that accepts a drafted token with probability ~ 1.1 p instead of p (at each node an extra coin
     of probability 0.1 p(token) accepts the first child it falls on: here the context's first candidate)
     fails the draft test."""
-    from eagle_jax.decoding import acceptance
     from eagle_jax.decoding.sampling import processed_probs
 
-    seen = {}
-    real_sample, real_accept = speculative.sample, acceptance.accept
+    kind, tree, sc = SAMPLING_CASES["context-alone"]
+    real_forward = speculative._forward
 
-    def spy_sample(key, logits, sc):
-        seen.update(key=key, probs=processed_probs(logits, sc))
-        return real_sample(key, logits, sc)
-
-    def biased_accept(tr, choice, path_len):
+    def biased_forward(tparams, s, tr, **kw):  # the target's choice at a node becomes the coin's child
+        fwd, choice = real_forward(tparams, s, tr, **kw)
         n = tr.tokens.shape[1]
-        at_parent = jnp.take_along_axis(seen["probs"], tr.parents[..., None], axis=1)  # [B, N, V] law at the parent
-        p_token = jnp.take_along_axis(at_parent, tr.tokens[..., None], axis=2)[..., 0]  # [B, N]
-        coin = jax.random.uniform(jax.random.fold_in(seen["key"], 99), tr.tokens.shape) < 0.1 * p_token
+        probs = processed_probs(fwd.logits, sc)  # [B, N, V] the target's law after each node
+        at_parent = jnp.take_along_axis(probs, tr.parents[..., None], axis=1)  # [B, N, V] law at the parent
+        p_token = jnp.take_along_axis(at_parent, jnp.maximum(tr.tokens, 0)[..., None], axis=2)[..., 0]  # [B, N]
+        coin = jax.random.uniform(jax.random.fold_in(s.key, s.cycle + 99), tr.tokens.shape) < 0.1 * p_token
         coin = coin & (jnp.arange(n) > 0) & (tr.tokens >= 0)  # drafted nodes (not unused context slots)
         child_of = (tr.parents[:, None, :] == jnp.arange(n)[None, :, None]) & coin[:, None, :]  # [B, parent, child]
         extra = jnp.take_along_axis(tr.tokens, jnp.argmax(child_of, axis=-1), axis=1)
-        return real_accept(tr, jnp.where(jnp.any(child_of, axis=-1), extra, choice), path_len)
+        return fwd, jnp.where(jnp.any(child_of, axis=-1), extra, choice)
 
-    kind, tree, sc = SAMPLING_CASES["context-alone"]
     models = _sampling_models(kind)
-    monkeypatch.setattr(speculative, "sample", spy_sample)
-    monkeypatch.setattr(acceptance, "accept", biased_accept)
+    monkeypatch.setattr(speculative, "_forward", biased_forward)
     jax.clear_caches()
     try:
         _, p_draft = _law_p_values(models, tree, sc)

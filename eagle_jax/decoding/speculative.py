@@ -320,38 +320,33 @@ def _cycle(
     else:
         start = trees.TreeStart(s.root, s.draft_hidden, None, None, None)
         tr, dcache = trees.build(tree, start, None, s.draft_cache, candidates)
-    verify = functools.partial(_verify, tparams, dparams, s, dcache, tcfg=tcfg, dcfg=dcfg, sampling=sampling, span=span)
+    forward = functools.partial(_forward, tparams, s, tcfg=tcfg, dcfg=dcfg, sampling=sampling, span=span)
     if not tree.context:
-        return verify(tr, tree, tree.cache_overhead), tr
-    n = tree.head_nodes  # without candidates, only the head's part (the root alone without a head's)
-    head_part = Tree(tr.tokens[:, :n], tr.parents[:, :n], tr.depths[:, :n], tr.mask[:, :n, :n])
-    new = jax.lax.cond(
-        jnp.any(candidates[1][:, 0] & ~s.done),
-        lambda: verify(tr, tree, tree.cache_overhead),
-        lambda: verify(head_part, dataclasses.replace(tree, context=0), tree.cache_overhead),
-    )
-    return new, tr
+        fwd, choice = forward(tr, write=True)
+    else:  # the cache is only read under the cond (written there, XLA would copy it whole): the path, after
+        n, width = tree.head_nodes, tr.tokens.shape[1]  # without candidates, only the head's part (or the root)
+
+        def narrow():
+            part = Tree(tr.tokens[:, :n], tr.parents[:, :n], tr.depths[:, :n], tr.mask[:, :n, :n])
+            fwd, choice = forward(part, write=False)
+            pad = lambda a, axis: jnp.pad(a, [(0, width - n if d == axis else 0) for d in range(a.ndim)])  # noqa: E731
+            return pad(fwd.hidden, 1), pad(fwd.features, 1), tuple(pad(a, 3) for a in fwd.new_kv), pad(choice, 1)
+
+        def full():
+            fwd, choice = forward(tr, write=False)
+            return fwd.hidden, fwd.features, fwd.new_kv, choice
+
+        hidden, features, new_kv, choice = jax.lax.cond(jnp.any(candidates[1][:, 0] & ~s.done), full, narrow)
+        fwd = target.TargetOutput(None, hidden, features, s.target_cache, new_kv)
+    return _verify(dparams, s, dcache, tr, tree, fwd, choice, tcfg=tcfg, dcfg=dcfg, span=span, embed=embed), tr
 
 
-def _verify(
-    tparams,
-    dparams,
-    s: SpecState,
-    dcache: KVCache | None,
-    tr: Tree,
-    tree: TreeConfig,
-    overhead: int,
-    *,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig | None,
-    sampling: SamplingConfig,
-    span: int | None,
-) -> SpecState:
-    """Verify the tree `tr` (of shape `tree`) with one target forward, accept, commit, let the head catch up;
-    rows stop when their next cycle would need more than `overhead` slots past the cache."""
-    rows = jnp.arange(s.root.shape[0])
-    running = ~s.done
-    with jax.named_scope("verify"):  # one target forward over the tree
+def _forward(
+    tparams, s: SpecState, tr: Tree, *, tcfg, dcfg, sampling: SamplingConfig, span: int | None, write: bool
+) -> tuple[target.TargetOutput, jax.Array]:
+    """One target forward over the tree (writing its entries into the cache, or not: `target.forward`) and the
+    target's choices [B, N]: the token it takes after each node."""
+    with jax.named_scope("verify"):
         positions = s.target_cache.lengths[:, None] + tr.depths
         fwd = target.forward(
             tparams,
@@ -362,27 +357,50 @@ def _verify(
             mask=tr.mask,
             feature_layers=_feature_layers(tcfg, dcfg),
             span=span,
+            write=write,
         )
     with jax.named_scope("sample"):
-        choice = _draw(s, fwd.logits, sampling, s.cycle + 1, positions + 1)  # [B, N] target's next tokens
+        return fwd, _draw(s, fwd.logits, sampling, s.cycle + 1, positions + 1)
+
+
+def _verify(
+    dparams,
+    s: SpecState,
+    dcache: KVCache | None,
+    tr: Tree,
+    tree: TreeConfig,
+    fwd: target.TargetOutput,
+    choice: jax.Array,
+    *,
+    tcfg: TargetConfig,
+    dcfg: DraftConfig | None,
+    span: int | None,
+    embed: jax.Array,
+) -> SpecState:
+    """Accept from the target's choices [B, N] over the tree `tr` (of shape `tree`), commit, let the head catch
+    up; rows stop when their next cycle would need more than the tree's slots past the cache."""
+    rows = jnp.arange(s.root.shape[0])
+    running = ~s.done
     with jax.named_scope("accept"):  # the deepest node whose whole path agrees; emit up to the budget and eos
         accept_len, path, bonus = acceptance.accept(tr, choice, tree.path_len)
         emitted = jnp.take_along_axis(tr.tokens, path, axis=1)  # root + accepted drafts (valid <= accept_len)
         commit = jnp.where(running, accept_len + 1, 0)
         out, counts, hit_eos = emit(s.out, s.counts, s.limits, emitted, commit, tcfg)
     with jax.named_scope("compact"):  # the accepted target entries to contiguous slots (a chain's already are)
-        tcache = kv_cache.advance(fwd.cache if tree.is_chain else kv_cache.compact(fwd.cache, path), commit)
+        if fwd.new_kv is not None:
+            tcache = kv_cache.write_path(fwd.cache, *fwd.new_kv, path)
+        else:
+            tcache = fwd.cache if tree.is_chain else kv_cache.compact(fwd.cache, path)
+        tcache = kv_cache.advance(tcache, commit)
     pair_tokens = jnp.concatenate([emitted[:, 1:], emitted[:, :1]], axis=1).at[rows, accept_len].set(bonus)
     draft_hidden = s.draft_hidden
     if dcfg is not None:
         with jax.named_scope("draft_catch_up"):  # the draft reads the accepted features
             feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)
-            new_hidden, dcache = _draft_context(
-                dparams, dcfg, tparams["embed"], dcache, pair_tokens, feats, commit, span
-            )
+            new_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
             draft_hidden = jnp.where(running[:, None], new_hidden, s.draft_hidden)
     eos = s.eos | hit_eos
-    room = tcache.lengths + overhead <= tcache.capacity
+    room = tcache.lengths + tree.cache_overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room
     return SpecState(
         target_cache=tcache,

@@ -100,10 +100,31 @@ def window_mask(cache: KVCache, new_mask: jax.Array, span: int) -> jax.Array:
     b, t, w = new_mask.shape
     slots = jnp.arange(span)[None, None, :]
     rel = slots - cache.lengths[:, None, None]  # [B, 1, span]
-    committed = rel < 0
+    committed = committed_mask(cache, span)
     in_window = (rel >= 0) & (rel < w)
     picked = jnp.take_along_axis(new_mask, jnp.broadcast_to(jnp.clip(rel, 0, w - 1), (b, t, span)), axis=2)
     return committed | (in_window & picked)
+
+
+def committed_mask(cache: KVCache, span: int) -> jax.Array:
+    """[B, 1, span]: which of the first `span` slots hold committed entries."""
+    return jnp.arange(span)[None, None, :] < cache.lengths[:, None, None]
+
+
+def write_path(cache: KVCache, k: jax.Array, v: jax.Array, path: jax.Array) -> KVCache:
+    """Write the new entries k, v [L, B, KV, N, D] at nodes `path` [B, P] to slots lengths + [0, P) in every
+    layer (a tree's accepted path, root first, committed in one scatter; slots past what is committed stay
+    beyond `lengths` until overwritten)."""
+    b, p = path.shape
+    index = path[:, None, :, None]  # [B, 1, P, 1]
+    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(k.shape[2])[None, :, None]
+    dst = (slice(None), rows, heads, (cache.lengths[:, None] + jnp.arange(p)[None, :])[:, None, :])  # [B, KV, P]
+    picked = [jnp.take_along_axis(a, index[None], axis=3) for a in (k, v)]  # [L, B, KV, P, D]
+    return dataclasses.replace(
+        cache,
+        k=cache.k.at[dst].set(picked[0].astype(cache.k.dtype), mode="drop"),
+        v=cache.v.at[dst].set(picked[1].astype(cache.v.dtype), mode="drop"),
+    )
 
 
 def span_of(cache: KVCache, span: int | None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -63,22 +64,34 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Arra
     return (x32 * cos + rotated * sin).astype(x.dtype)
 
 
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, extra: tuple[jax.Array, ...] | None = None
+) -> jax.Array:
     """Grouped-query attention. q [B, T, N, D], k/v [B, KV, S, D], mask [B, T, S] -> [B, T, N, D].
 
     The G = N / KV query heads of a kv head are rows of one matrix [G * T, D] against its keys [S, D],
     and the probabilities are normalised after the value product ([G * T, D] divisions instead of
-    [G * T, S]).
+    [G * T, S]). `extra` = (k2, v2, mask2) adds keys and values [B, KV, S2, D] under mask2 [B, T, S2] to the
+    same softmax without concatenating them to k and v.
     """
     b, t, n, d = q.shape
     kv = k.shape[1]
     g = n // kv
     q = (q * (1 / math.sqrt(d))).reshape(b, t, kv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k, preferred_element_type=jnp.float32).reshape(b, kv, g, t, -1)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    weights = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))  # [B, KV, G, T, S]
-    out = jnp.einsum("bkqs,bksd->bkqd", weights.reshape(b, kv, g * t, -1).astype(v.dtype), v)
-    out = out / jnp.sum(weights, axis=-1).reshape(b, kv, g * t, 1).astype(out.dtype)
+
+    def scores_of(keys: jax.Array, m: jax.Array) -> jax.Array:  # [B, KV, G, T, S]
+        s = jnp.einsum("bkqd,bksd->bkqs", q, keys, preferred_element_type=jnp.float32).reshape(b, kv, g, t, -1)
+        return jnp.where(m[:, None, None], s, jnp.finfo(jnp.float32).min)
+
+    def weighted(w: jax.Array, values: jax.Array) -> jax.Array:  # [B, KV, G * T, D]
+        return jnp.einsum("bkqs,bksd->bkqd", w.reshape(b, kv, g * t, -1).astype(values.dtype), values)
+
+    blocks = [(scores_of(k, mask), v)] + ([(scores_of(extra[0], extra[2]), extra[1])] if extra else [])
+    top = functools.reduce(jnp.maximum, [jnp.max(s, axis=-1, keepdims=True) for s, _ in blocks])
+    weights = [jnp.exp(s - top) for s, _ in blocks]
+    out = functools.reduce(operator.add, [weighted(w, values) for w, (_, values) in zip(weights, blocks)])
+    total = functools.reduce(operator.add, [jnp.sum(w, axis=-1) for w in weights])
+    out = out / total.reshape(b, kv, g * t, 1).astype(out.dtype)
     return out.reshape(b, kv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 

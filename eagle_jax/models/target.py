@@ -89,6 +89,7 @@ class TargetOutput:
     hidden: jax.Array  # [B, T, H] final normed hidden state (EAGLE-1 feature)
     features: jax.Array  # [B, T, n*H] inputs of the feature layers, concatenated (EAGLE-3 features)
     cache: KVCache
+    new_kv: tuple[jax.Array, jax.Array] | None = None  # [L, B, KV, T, D] each: entries not written (write=False)
 
 
 def check_capacity(cfg: TargetConfig, capacity: int) -> None:
@@ -118,6 +119,10 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 def _attention(
     p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v, layer, slots, mask, span: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention of x [B, T, H]: with `slots`, the new entries are written there and the queries read the
+    cache's first `span` slots under `mask` [B, T, span]; with slots None the cache is only read, under
+    mask = (committed [B, 1, span], among the new tokens [B, T, T]), and the new entries [B, KV, T, D] come
+    back instead of the cache."""
     b, t, _ = x.shape
     q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -127,8 +132,13 @@ def _attention(
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, cfg.rope)
     k = apply_rope(k, positions, cfg.rope)
-    cache_k, cache_v = kv_cache.write(cache_k, cache_v, layer, slots, k, v)
-    out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span), mask)  # [B, T, N, D]
+    if slots is None:
+        k, v = (jnp.swapaxes(a, 1, 2).astype(cache_k.dtype) for a in (k, v))  # [B, KV, T, D]
+        out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span), mask[0], (k, v, mask[1]))
+        cache_k, cache_v = k, v
+    else:
+        cache_k, cache_v = kv_cache.write(cache_k, cache_v, layer, slots, k, v)
+        out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span), mask)  # [B, T, N, D]
     out = linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
     return out, cache_k, cache_v
 
@@ -168,6 +178,7 @@ def forward(
     feature_layers: Sequence[int] = (),
     compute_logits: bool = True,
     span: int | None = None,
+    write: bool = True,
 ) -> TargetOutput:
     """Run T new tokens [B, T] at positions [B, T] against the cache.
 
@@ -175,6 +186,8 @@ def forward(
     of the window slots [lengths, lengths + W) each new token sees (default: causal, W = T).
     Attention reads the first `span` slots (static; default the whole cache), which must hold them.
     The cache lengths are not advanced: call `kv_cache.advance` with what is committed.
+    With write=False the cache is only read (the tokens see its committed slots and, by `mask` [B, T, T],
+    each other) and the new entries come back as `new_kv`, for `kv_cache.write_path`.
     """
     b, t = tokens.shape
     if mask is None:
@@ -183,19 +196,28 @@ def forward(
     if any(not 0 <= i < cfg.num_layers for i in feature_layers):
         raise EagleError(f"feature_layers={feature_layers}: layer indices must lie in [0, {cfg.num_layers})")
     span = kv_cache.span_of(cache, span)
-    full_mask = kv_cache.window_mask(cache, mask, span)  # [B, T, span]
-    slots = cache.lengths[:, None] + offset + jnp.arange(t)[None, :]  # [B, T]
+    if write:
+        full_mask = kv_cache.window_mask(cache, mask, span)  # [B, T, span]
+        slots = cache.lengths[:, None] + offset + jnp.arange(t)[None, :]  # [B, T]
+    else:
+        full_mask, slots = (kv_cache.committed_mask(cache, span), mask), None
     x = params["embed"][tokens]  # [B, T, H]
     inputs = {}  # layer index -> its input, for the feature layers
     ck, cv = cache.k, cache.v
+    new = []
     for i, p in enumerate(params["layers"]):
         if i in feature_layers:
             inputs[i] = x
-        x, ck, cv = _decoder_layer(p, cfg, x, positions, ck, cv, i, slots, full_mask, span)
+        x, k, v = _decoder_layer(p, cfg, x, positions, ck, cv, i, slots, full_mask, span)
+        if write:
+            ck, cv = k, v
+        else:
+            new.append((k, v))
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     features = jnp.concatenate([inputs[i] for i in feature_layers], axis=-1) if feature_layers else x[..., :0]
     logits = lm_logits(params, cfg, hidden) if compute_logits else None
-    return TargetOutput(logits, hidden, features, dataclasses.replace(cache, k=ck, v=cv))
+    new_kv = None if write else tuple(jnp.stack(parts) for parts in zip(*new))
+    return TargetOutput(logits, hidden, features, dataclasses.replace(cache, k=ck, v=cv), new_kv)
 
 
 def prefill(
