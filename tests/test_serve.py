@@ -129,18 +129,18 @@ def test_seeded_samples_reproduce_whatever_runs_beside_them(served):
     """A sampled request with a seed gives the same answer alone and amid other rows; another seed differs."""
     url, _, _, _ = served
     kw = dict(temperature=0.9, top_p=0.95, seed=7)
-    alone = ask(url, QUESTIONS[1], 30, **kw)[0]
+    alone = ask(url, QUESTIONS[1], 16, **kw)[0]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        crowd = [pool.submit(ask, url, QUESTIONS[i], 30, temperature=0.7, seed=i) for i in range(3)]
-        amid = pool.submit(ask, url, QUESTIONS[1], 30, **kw).result()[0]
+        crowd = [pool.submit(ask, url, QUESTIONS[i], 16, temperature=0.7, seed=i) for i in range(3)]
+        amid = pool.submit(ask, url, QUESTIONS[1], 16, **kw).result()[0]
         [f.result() for f in crowd]
     assert amid == alone
-    assert ask(url, QUESTIONS[1], 30, temperature=0.9, top_p=0.95, seed=8)[0] != alone
+    assert ask(url, QUESTIONS[1], 16, temperature=0.9, top_p=0.95, seed=8)[0] != alone
     # OpenAI's seeds are 64-bit: a large or negative one reproduces too; without a seed, samples differ
-    assert ask(url, QUESTIONS[1], 30, **{**kw, "seed": 2**32 + 6})[0] == alone  # folds to 6 ^ 1 = 7
-    big = [ask(url, QUESTIONS[1], 30, **{**kw, "seed": -(2**62) - 3})[0] for _ in range(2)]
+    assert ask(url, QUESTIONS[1], 16, **{**kw, "seed": 2**32 + 6})[0] == alone  # folds to 6 ^ 1 = 7
+    big = [ask(url, QUESTIONS[1], 16, **{**kw, "seed": -(2**62) - 3})[0] for _ in range(2)]
     assert big[0] == big[1]
-    unseeded = {ask(url, QUESTIONS[1], 30, temperature=0.9, top_p=0.95)[0] for _ in range(3)}
+    unseeded = {ask(url, QUESTIONS[1], 16, temperature=0.9, top_p=0.95)[0] for _ in range(3)}
     assert len(unseeded) > 1
 
 
