@@ -1,4 +1,7 @@
-"""EAGLE-3 training objective: training-time test (TTT), with the official traineagle3 conventions.
+"""Training objectives with the official conventions: EAGLE-3's training-time test (TTT, traineagle3) and
+EAGLE-1's feature regression (`eagle1_loss`, the v1 branch's `eagle/train/main.py`).
+
+EAGLE-3 (TTT):
 
 For a right-padded batch, the frozen target gives fused features [B, T, 3Ht] and logits [B, T, V]
 (`target_batch`). The draft then unrolls `steps` steps (`ttt_loss`); `shift(x, k)[t] = x[t+k]`, zero
@@ -31,6 +34,12 @@ from eagle_jax.models.layers import attend
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 
 
+def padded_causal(attention_mask: jax.Array) -> jax.Array:
+    """[B, T, T]: causal plus key padding for a right-padded batch (a padded query sees the real prefix)."""
+    b, t = attention_mask.shape
+    return target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]
+
+
 def target_batch(
     target_params: dict,
     tcfg: TargetConfig,
@@ -44,7 +53,7 @@ def target_batch(
     Mask: causal plus key padding (a padded query sees the real prefix, not itself); positions 0..T-1.
     """
     b, t = input_ids.shape
-    mask = target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]  # [B, T, T]
+    mask = padded_causal(attention_mask)  # [B, T, T]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     cache = target.init_cache(tcfg, b, t, target_params["embed"].dtype)
     out = target.forward(target_params, tcfg, input_ids, positions, cache, mask, feature_layers=feature_layers)
@@ -151,7 +160,7 @@ def ttt_loss(
     target_argmax = _pad_end(target_argmax, steps, 0)  # [B, T + S]; argmax of a zero row
     masks = _position_masks(in_vocab, zero_in, loss_mask, steps)  # [S, B, T]
     lm = _pad_end(loss_mask.astype(jnp.float32), steps, 0.0)  # [B, T + S]
-    mask0 = target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]  # [B, T, T]
+    mask0 = padded_causal(attention_mask)  # [B, T, T]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
 
     def window(x: jax.Array, start) -> jax.Array:  # rows [start, start + T)
@@ -233,6 +242,57 @@ def accuracies(metrics: dict) -> np.ndarray:
 def simulated_tau(acces: jax.Array) -> jax.Array:
     """Acceptance length a chain draft would reach: 1 + sum_k prod_{i<=k} acc_i."""
     return 1.0 + jnp.sum(jnp.cumprod(jnp.asarray(acces)))
+
+
+def smooth_l1(x: jax.Array) -> jax.Array:
+    """Huber with beta 1 (torch's SmoothL1Loss): 0.5 x^2 where |x| < 1, else |x| - 0.5."""
+    a = jnp.abs(x)
+    return jnp.where(a < 1, 0.5 * x * x, a - 0.5)
+
+
+def eagle1_loss(
+    draft_params: dict,
+    dcfg: DraftConfig,
+    lm_head: jax.Array,
+    embed: jax.Array,
+    hidden_states: jax.Array,
+    input_ids: jax.Array,
+    target: jax.Array,
+    attention_mask: jax.Array,
+    loss_mask: jax.Array,
+    p_w: float = 0.1,
+    v_w: float = 1.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Official EAGLE-1 objective (v1 `eagle/train/main.py`) -> (v_w * vloss + p_w * ploss (f32), metrics).
+
+    The batch as the v1 pipeline hands it, right-padded [B, T]: `hidden_states` [B, T, H] the target's final
+    normed hidden states, `input_ids` and `target` [B, T, H] already shifted one step left and zero-padded,
+    `loss_mask` with its last position zeroed. The head predicts the next feature from (feature_t, embedding
+    of token t+1): causal attention over key padding, positions 0..T-1; `embed` and `lm_head` [H, V] are the
+    frozen target's. With m = loss_mask and n = sum(m) + 1e-5:
+    ploss = -sum(m * softmax(lm_head(target)) * log_softmax(lm_head(predict))) / n,
+    vloss = sum over positions of m * mean over H of SmoothL1(predict - target) / n; metrics also hold the
+    top-1/2/3 accuracies of lm_head(predict) against argmax lm_head(target) over the masked positions.
+    """
+    b, t = input_ids.shape
+    mask = padded_causal(attention_mask)  # [B, T, T]
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    cache = draft.init_cache(dcfg, b, t, hidden_states.dtype)
+    predict, _ = draft.forward(draft_params, dcfg, embed, input_ids, hidden_states, positions, cache, mask)
+    out_logits = draft.logits(draft_params, dcfg, predict, lm_head)  # [B, T, V] f32
+    target_logits = jax.lax.stop_gradient(draft.logits(draft_params, dcfg, target, lm_head))
+    m = loss_mask.astype(jnp.float32)[..., None]  # [B, T, 1]
+    n = jnp.sum(m) + 1e-5
+    ploss = -jnp.sum(m * jax.nn.softmax(target_logits, -1) * jax.nn.log_softmax(out_logits, -1)) / n
+    diff = predict.astype(jnp.float32) - target.astype(jnp.float32)
+    vloss = jnp.sum(jnp.mean(m * smooth_l1(diff), axis=-1)) / n
+    wanted = argmax(target_logits)  # [B, T]
+    top3 = jax.lax.top_k(out_logits, 3)[1]  # [B, T, 3]
+    hits = jnp.cumsum(top3 == wanted[..., None], axis=-1) > 0  # [B, T, 3]: within the top 1, 2, 3
+    counted = jnp.maximum(jnp.sum(m), 1.0)
+    acc = [jnp.sum(m[..., 0] * hits[..., k]) / counted for k in range(3)]
+    metrics = {"vloss": vloss, "ploss": ploss, "top1": acc[0], "top2": acc[1], "top3": acc[2]}
+    return v_w * vloss + p_w * ploss, metrics
 
 
 def build_vocab_map(
