@@ -23,13 +23,14 @@ without an error object, abandoned rows still decoding after FREED_WITHIN_S).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -130,8 +131,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
-    """`python -m infer.serve ARGS` on a free port (its log in a temporary file); returns once /health answers."""
+@contextlib.contextmanager
+def started_server(args: list[str]) -> Iterator[str]:
+    """`python -m infer.serve ARGS` on a free port (its log in a temporary file): its URL once /health answers;
+    the server is stopped on the way out."""
     import httpx
 
     port = free_port()
@@ -146,11 +149,17 @@ def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
             raise EagleError(f"the server exited ({proc.returncode}): {log.read().strip()[-300:]}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
+                break
         except httpx.HTTPError:
             time.sleep(0.5)
-    proc.kill()
-    raise EagleError(f"the server did not answer within {READY_TIMEOUT_S} s")
+    else:
+        proc.kill()
+        raise EagleError(f"the server did not answer within {READY_TIMEOUT_S} s")
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
 
 
 def measure(url: str, questions: list[str], levels: Sequence[int], max_tokens: int, label: str) -> list[dict]:
@@ -388,12 +397,8 @@ def _main(argv: Sequence[str] | None) -> int:
         common, shown = server_flags(a.target, a.draft, a.dtype, a.max_batch, a.max_len)
         report["settings"] |= {"server_args": shown, "target": command.shown_path(a.target)}
         for mode, extra in (("spec", []), ("plain", ["--no-spec"])):
-            proc, url = start_server(common + extra)
-            try:
+            with started_server(common + extra) as url:
                 report[mode] = measure(url, questions, levels, a.max_tokens, mode)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=60)
     print(render(report))
     if a.json:
         files.write_json_atomic(a.json, report)
@@ -405,19 +410,14 @@ def faults(a, questions: list[str]) -> int:
     """--faults: one server (started here with --max-queue, or --url) through every fault; prints and writes
     the counts."""
     report: dict = {"settings": {"burst": a.burst, "max_tokens": a.max_tokens}}
-    proc = None
     if a.url:
-        url = a.url.rstrip("/")
+        server = contextlib.nullcontext(a.url.rstrip("/"))
     else:
         common, shown = server_flags(a.target, a.draft, a.dtype, a.max_batch, a.max_len)
         report["settings"]["server_args"] = [*shown, "--max-queue", str(a.max_queue)]
-        proc, url = start_server([*common, "--max-queue", str(a.max_queue)])
-    try:
+        server = started_server([*common, "--max-queue", str(a.max_queue)])
+    with server as url:
         report["faults"] = asyncio.run(fault_run(url, questions, a.burst, a.max_tokens))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=60)
     print(render_faults(report["faults"]))
     if a.json:
         files.write_json_atomic(a.json, report)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_ttt import _flat_get
 
 from eagle_jax.io import official
 from eagle_jax.training import objective
@@ -21,12 +22,6 @@ NAMES = ("hidden_states", "input_ids", "target", "attention_mask", "loss_mask")
 @pytest.fixture(scope="module")
 def golden(golden_dir):
     return dict(np.load(golden_dir / "eagle1_loss.npz"))
-
-
-def _flat_get(tree, name: str):
-    for part in name.split("."):
-        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
-    return np.asarray(tree)
 
 
 def test_eagle1_loss_matches_official(golden_dir, golden_target, golden):

@@ -6,8 +6,8 @@ Runs the official head (`eagle/model/cnets.py: Model`, unmodified, imported from
 under torch; the loss lines follow main.py's training loop (noise off, p_w 0.1, v_w 1.0, SmoothL1 with beta 1,
 the 1e-5 in the normalisers, top-k accuracies over the masked positions against the target's argmax).
 
-    git -C EAGLE archive v1 eagle/model | tar -x -C /tmp/eaglev1   # the official v1 head
-    python tools/golden/make_eagle1_loss.py --eagle-src /tmp/eaglev1 --golden tests/golden
+    mkdir .eagle_v1 && git -C EAGLE archive v1 eagle/model | tar -x -C .eagle_v1   # EAGLE: a clone of SafeAILab/EAGLE
+    python tools/golden/make_eagle1_loss.py --eagle-src .eagle_v1 --golden tests/golden
 (torch 2.13.0, transformers 4.53.3, safetensors, numpy, in an environment of their own.)
 """
 
