@@ -65,8 +65,8 @@ def default_tree(
     recalibrate: bool = False,
     log: Callable[[str], None] = print,
     measure: bool = True,
-) -> budget.Envelope | None:
-    """The envelope for `batch` rows (None: plain decoding wins here), from the head's budget.json, the cache,
+) -> budget.Envelope:
+    """The envelope for `batch` rows (`PLAIN`: plain decoding wins here), from the head's budget.json, the cache,
     or measured now on the `calibration` prompts and cached (unless not `measure`). models: (tcfg, tparams,
     dcfg, dparams); paths: (target, draft; None without a head, whose budget lives in the cache only)."""
     cached = cache_dir() / "budget" / f"{_cache_key(models, paths)}.json"

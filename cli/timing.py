@@ -11,9 +11,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eagle_jax.decoding import plain, schedule, speculative
+from eagle_jax.decoding import schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import TreeConfig
+from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.training import data
@@ -45,7 +45,7 @@ class Runner:
         self.max_new_tokens = max_new_tokens
         self.max_prompt_tokens = max_prompt_tokens
         self.seed = seed
-        self.tree: TreeConfig | None = None
+        self.tree: TreeConfig = PLAIN
         self._warm: set = set()
 
     @functools.cached_property
@@ -57,8 +57,8 @@ class Runner:
     def models(self) -> tuple:
         return self.tcfg, self.tparams, self.dcfg, self.dparams
 
-    def set_tree(self, tree: TreeConfig | None) -> None:
-        """The envelope of the speculative side; None: plain decoding there too."""
+    def set_tree(self, tree: TreeConfig) -> None:
+        """The envelope of the speculative side (`PLAIN`: plain decoding there too)."""
         self.tree = tree
         self._warm = set()
 
@@ -72,55 +72,39 @@ class Runner:
 
     def prepare(self, prompts: list[list[int]], max_new_tokens: int) -> schedule.Prompts:
         """Both decoders' layout: the capacity holds prompt bucket + budget + one cycle's tree."""
-        overhead = self.tree.cache_overhead if self.tree else 0
         return schedule.prepare(
-            prompts, max_new_tokens, overhead, None, self.tcfg.rope.max_position_embeddings, self.tcfg.pad_token_id or 0
+            prompts,
+            max_new_tokens,
+            self.tree.cache_overhead,
+            None,
+            self.tcfg.rope.max_position_embeddings,
+            self.tcfg.pad_token_id or 0,
         )
 
-    @property
-    def _head(self) -> tuple:
-        """(dparams, dcfg) the speculative side runs with (`speculative.head_for`)."""
-        return speculative.head_for(self.tree, self.dparams, self.dcfg)
+    def _head(self, tree: TreeConfig) -> tuple:
+        """(dparams, dcfg) a run with `tree` takes (`speculative.head_for`)."""
+        return speculative.head_for(tree, self.dparams, self.dcfg)
 
-    def _static(self) -> dict:
-        return dict(tcfg=self.tcfg, dcfg=self._head[1], tree=self.tree, sampling=self.sampling)
+    def _static(self, tree: TreeConfig) -> dict:
+        return dict(tcfg=self.tcfg, dcfg=self._head(tree)[1], tree=tree, sampling=self.sampling)
 
     def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
-        p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
-        key = jax.random.key(self.seed)
-        t0 = time.perf_counter()
-        cache, first = jax.block_until_ready(
-            plain.prefill(self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity)
-        )
-        t1 = time.perf_counter()
-        state = jax.block_until_ready(
-            plain.decode(self.tparams, cache, first, p.limits, key, cfg=self.tcfg, sc=self.sampling)
-        )
-        t2 = time.perf_counter()
-        tokens = plain.result(state, p.tokens.shape[1]).tokens
-        return {
-            "tokens": tokens,
-            "accept_lengths": [[0] * len(t) for t in tokens],
-            "prefill_s": t1 - t0,
-            "decode_s": t2 - t1,
-            "seconds": t2 - t0,
-            "steps": int(state.step) - 1,
-        }
+        return self._run(PLAIN, prompts, max_new_tokens)
 
     def speculative(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
-        if self.tree is None:
-            res = self.plain(prompts, max_new_tokens)
-            return {**res, "cycles": res.pop("steps") + 1}
+        return self._run(self.tree, prompts, max_new_tokens)
+
+    def _run(self, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int | None) -> dict:
+        """Prefill, then the generation loop with `tree`, each timed (in the speculative side's cache layout)."""
         p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
+        head, static = self._head(tree)[0], self._static(tree)
         key = jax.random.key(self.seed)
         t0 = time.perf_counter()
         state = jax.block_until_ready(
-            speculative.prefill(
-                self.tparams, self._head[0], p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **self._static()
-            )
+            speculative.prefill(self.tparams, head, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
         )
         t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(self.tparams, self._head[0], state, **self._static()))
+        state = jax.block_until_ready(speculative.run(self.tparams, head, state, **static))
         t2 = time.perf_counter()
         res = speculative.result(state)
         return {
@@ -145,20 +129,12 @@ class Runner:
         p = self.prepare(prompts, self.max_new_tokens)
         key, few = jax.random.key(self.seed), p.limits * 0 + 2  # a cycle or two in each span
         for span in schedule.all_spans(p.capacity):  # fresh states: the loops consume (donate) theirs
-            cache, first = plain.prefill(
-                self.tparams, p.tokens, p.lengths, key, cfg=self.tcfg, sc=self.sampling, capacity=p.capacity
-            )
-            state = plain.init_state(cache, first, few, self.tcfg)
-            jax.block_until_ready(
-                plain.decode_span(self.tparams, state, key, cfg=self.tcfg, sc=self.sampling, span=span)
-            )
-            if self.tree is not None:
+            for tree in dict.fromkeys((PLAIN, self.tree)):
+                head, static = self._head(tree)[0], self._static(tree)
                 state = speculative.prefill(
-                    self.tparams, self._head[0], p.tokens, p.lengths, few, key, capacity=p.capacity, **self._static()
+                    self.tparams, head, p.tokens, p.lengths, few, key, capacity=p.capacity, **static
                 )
-                jax.block_until_ready(
-                    speculative.run_span(self.tparams, self._head[0], state, span=span, **self._static())
-                )
+                jax.block_until_ready(speculative.run_span(self.tparams, head, state, span=span, **static))
         self._warm.add(shape)
 
 

@@ -21,8 +21,9 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import command
-from eagle_jax.decoding import plain, schedule
+from eagle_jax.decoding import schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.tree import PLAIN
 from eagle_jax.errors import EagleError
 from eagle_jax.models import target
 from eagle_jax.models.config import RopeConfig, TargetConfig
@@ -50,16 +51,16 @@ def bench_batch(
     prompts = rng.integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
     p = schedule.prepare(prompts, new_tokens)
     tokens, lengths, limits, capacity = p.tokens, p.lengths, p.limits, p.capacity
-    sc = SamplingConfig()
+    static = dict(tcfg=cfg, dcfg=None, tree=PLAIN, sampling=SamplingConfig())
     key = jax.random.key(0)
     prefill_s, decode_s, decoded = [], [], 0
     for run in range(repeats + 1):
         t0 = time.perf_counter()
-        cache, first = jax.block_until_ready(
-            plain.prefill(params, tokens, lengths, key, cfg=cfg, sc=sc, capacity=capacity)
+        state = jax.block_until_ready(
+            speculative.prefill(params, None, tokens, lengths, limits, key, capacity=capacity, **static)
         )
         t1 = time.perf_counter()
-        state = jax.block_until_ready(plain.decode(params, cache, first, limits, key, cfg=cfg, sc=sc))
+        state = jax.block_until_ready(speculative.run(params, None, state, **static))
         t2 = time.perf_counter()
         if run:  # run 0 compiles
             prefill_s.append(t1 - t0)

@@ -75,7 +75,7 @@ def summarise(records: list[dict], timings: dict[int, dict], max_accept: int) ->
     spec_s, plain_s = share("spec", "seconds"), share("plain", "seconds")
     batches = {r["batch"] for r in records}
     loop_cycles = sum(timings[b]["spec"]["cycles"] for b in batches)
-    loop_steps = sum(timings[b]["plain"]["steps"] for b in batches)
+    loop_steps = sum(timings[b]["plain"]["cycles"] for b in batches)
     cycle_s = sum(timings[b]["spec"]["decode_s"] for b in batches) / max(1, loop_cycles)
     step_s = sum(timings[b]["plain"]["decode_s"] for b in batches) / max(1, loop_steps)
     hist = acceptance.accept_histogram([a for r in records for a in r["spec"]["accept_lengths"]], max_accept)
@@ -201,7 +201,7 @@ def calibration_questions(files_: list[Path], n: int) -> list[dict]:
     return [t[i] for i in range(max(map(len, tails))) for t in tails if i < len(t)][:n]
 
 
-def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[budget.Envelope | None, dict | None]:
+def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[budget.Envelope, dict | None]:
     """The envelope: the flags', or measured here (--auto-budget), or the machine's budget; with what
     --auto-budget measured."""
     if args.total_tokens is not None:
@@ -246,11 +246,12 @@ def run_benchmark(args, log=print) -> dict:
     )
     assert runner.tokenizer.chat_template  # questions are chat prompts: fail now if there is no template
     tree, auto = choose_tree(runner, args, files_, log)
-    if tree is not None and runner.dcfg is not None:
+    if runner.dcfg is not None:
         check_fits(tree, runner.dcfg.draft_vocab_size)
     runner.set_tree(tree)
-    log(f"envelope for batch {args.batch}: {envelope_name(tree) if tree else 'plain decoding (no envelope wins here)'}")
-    max_accept = tree.max_accept if tree else 0
+    chosen = envelope_name(tree) if tree.drafts else "plain decoding (no envelope wins here)"
+    log(f"envelope for batch {args.batch}: {chosen}")
+    max_accept = tree.max_accept
     greedy = runner.sampling.greedy
     records: list[dict] = []
     timings: dict[int, dict] = {}

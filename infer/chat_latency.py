@@ -7,7 +7,7 @@ The user turns are MT-bench's (both turns of the first questions, in order), wit
 template. One `session.Session` warms up (its compile time is printed), then answers each turn: the
 table shows the prompt, how much of it the caches already held, the turn's prefill and decode time,
 its wall time and the programs compiled during it (0 after warm-up), next to decoding the same whole
-conversation from scratch with `speculative.generate` / `plain.generate` (timed after an untimed run,
+conversation from scratch with `speculative.generate` (timed after an untimed run,
 so without compilation). Without --target, the demo pair.
 """
 
@@ -24,8 +24,8 @@ from jax import monitoring
 from tqdm import tqdm
 
 from cli import command, demo, envelope
-from eagle_jax.decoding import plain, session, speculative
-from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.decoding import session, speculative
+from eagle_jax.decoding.tree import PLAIN, DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
 
@@ -67,14 +67,9 @@ def measure(models, tok, tree, turns: int, max_new: int, capacity: int) -> dict:
         compiled = len(compiles) - before
         t = talk.last
         history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
-        if tree is None:
-            scratch = _timed(lambda p=prompt: plain.generate(tparams, tcfg, [p], max_new, capacity=capacity))
-        else:
-            scratch = _timed(
-                lambda p=prompt: speculative.generate(
-                    tparams, tcfg, dparams, dcfg, [p], max_new, tree, capacity=capacity
-                )
-            )
+        scratch = _timed(
+            lambda p=prompt: speculative.generate(tparams, tcfg, dparams, dcfg, [p], max_new, tree, capacity=capacity)
+        )
         rows.append(
             {
                 "prompt_tokens": t.prompt_tokens,
@@ -130,7 +125,8 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     dtype = command.parse_dtype(a.dtype)
     tcfg, tparams = loading.load_target(target_path, dtype)
-    dcfg = dparams = tree = None
+    dcfg = dparams = None
+    tree = PLAIN
     if draft_path is not None:
         dcfg, dparams = loading.load_draft(draft_path, tcfg, dtype=dtype)
         dparams = jax.device_put(dparams)

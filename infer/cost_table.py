@@ -34,7 +34,7 @@ from tqdm import tqdm
 from cli import command
 from cli.timing import Runner, read_questions
 from eagle_jax.decoding import budget, cost
-from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
+from eagle_jax.decoding.tree import DynamicTree, TreeConfig, envelope_name, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
@@ -43,13 +43,9 @@ GOLDEN = REPO / "tests" / "golden"
 ENVELOPES = "60/7/10,16/4/4,5/4/1"
 
 
-def name(tree: DynamicTree | None) -> str:
-    return "plain" if tree is None else f"{tree.total_tokens}/{tree.depth}/{tree.top_k}"
-
-
 def figures(spec: list[list[dict]], plain: list[list[dict]], speculative: bool = True) -> dict:
     """Tokens/s, speedup, tau and c from the timed runs of one setting: per repeat, one run per batch of
-    prompts ({tokens, accept_lengths, seconds, decode_s, cycles | steps}); medians over repeats of the sums over
+    prompts ({tokens, accept_lengths, seconds, decode_s, cycles}); medians over repeats of the sums over
     batches. Not `speculative`: the spec side decoded plainly too (no c)."""
 
     def med(runs: list[list[dict]], what: str) -> float:
@@ -58,7 +54,7 @@ def figures(spec: list[list[dict]], plain: list[list[dict]], speculative: bool =
     spec_tokens = sum(sum(map(len, r["tokens"])) for r in spec[0])
     plain_tokens = sum(sum(map(len, r["tokens"])) for r in plain[0])
     cycles = sum(r["cycles"] for r in spec[0])
-    steps = sum(r["steps"] for r in plain[0])
+    steps = sum(r["cycles"] for r in plain[0])  # a plain cycle is one decode step
     spec_tps, plain_tps = spec_tokens / med(spec, "seconds"), plain_tokens / med(plain, "seconds")
     row_cycles = sum(len(a) for r in spec[0] for a in r["accept_lengths"])
     cycle_s, step_s = med(spec, "decode_s") / max(1, cycles), med(plain, "decode_s") / max(1, steps)
@@ -86,7 +82,7 @@ def question_prompts(runner: Runner, path: Path, limit: int) -> list[list[int]]:
     return [runner.prompt([{"role": "user", "content": q["turns"][0]}]) for q in read_questions(path, limit)]
 
 
-def time_setting(runner: Runner, tree: DynamicTree | None, batches: list[list[list[int]]], repeats: int) -> dict:
+def time_setting(runner: Runner, tree: TreeConfig, batches: list[list[list[int]]], repeats: int) -> dict:
     """Warm, then time speculative and plain generation of every batch of prompts, interleaved, `repeats` times."""
     runner.set_tree(tree)
     for rows in batches:
@@ -95,7 +91,7 @@ def time_setting(runner: Runner, tree: DynamicTree | None, batches: list[list[li
     for _ in range(repeats):
         spec.append([runner.speculative(rows) for rows in batches])
         plain.append([runner.plain(rows) for rows in batches])
-    return figures(spec, plain, tree is not None)
+    return figures(spec, plain, tree.drafts)
 
 
 def run_official(args, envelopes: list[DynamicTree]) -> dict:
@@ -116,7 +112,7 @@ def run_official(args, envelopes: list[DynamicTree]) -> dict:
             "--max-new-tokens",
             str(args.max_new_tokens),
             "--envelopes",
-            ",".join(name(t) for t in envelopes),
+            ",".join(envelope_name(t) for t in envelopes),
             "--repeats",
             str(args.repeats),
             "--threads",
@@ -194,7 +190,7 @@ def _main(argv: Sequence[str] | None) -> int:
         batch_sizes = [int(b) for b in a.batches.split(",")]
     runner = Runner(a.target, a.draft, 0.0, a.max_new_tokens, 1 << 20)
     prompts = question_prompts(runner, Path(a.questions), a.limit) if a.questions else npz_prompts(a.prompts_npz)
-    settings: list[tuple[int, DynamicTree | None, bool]] = []
+    settings: list[tuple[int, TreeConfig, bool]] = []
     for b in batch_sizes:
         settings += [(b, t, False) for t in envelopes]
         if b > 1:
@@ -206,7 +202,12 @@ def _main(argv: Sequence[str] | None) -> int:
     for b, tree, chosen in tqdm(settings, desc="settings", unit="setting", file=sys.stderr):
         batches = [[x] for x in prompts] if b == 1 else [[prompts[i % len(prompts)] for i in range(b)]]
         rows.append(
-            {"batch": b, "envelope": name(tree), "budget": chosen, **time_setting(runner, tree, batches, a.repeats)}
+            {
+                "batch": b,
+                "envelope": envelope_name(tree),
+                "budget": chosen,
+                **time_setting(runner, tree, batches, a.repeats),
+            }
         )
     report = {
         "target": command.shown_path(a.target),

@@ -36,11 +36,12 @@ import jax
 from jax.sharding import Mesh
 
 from cli import command, demo, envelope, presets
-from eagle_jax.decoding import plain, programs, schedule, session, speculative
+from eagle_jax.decoding import programs, schedule, session
 from eagle_jax.decoding.budget import MARGIN
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult
 from eagle_jax.decoding.tree import (
+    PLAIN,
     DynamicTree,
     NoDraft,
     TreeConfig,
@@ -63,7 +64,7 @@ CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns d
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    tree: TreeConfig | None  # None: plain decoding
+    tree: TreeConfig  # PLAIN: plain decoding (with auto_tree: none chosen yet)
     auto_tree: bool  # no tree given: the envelope measured fastest here for the batch (`cli.envelope`)
     sampling: SamplingConfig
     max_new_tokens: int
@@ -143,10 +144,8 @@ def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> 
         raise EagleError(f"--max-new-tokens {max_new} must be >= 1")
     if a.max_len is not None and a.max_len < 2:
         raise EagleError(f"--max-len {a.max_len} must be >= 2")
-    tree = None if a.no_spec else tree_config(a, preset)
-    return Settings(
-        tree, not a.no_spec and tree is None, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup
-    )
+    tree = PLAIN if a.no_spec else tree_config(a, preset)
+    return Settings(tree or PLAIN, tree is None, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
 
 
 # ---------------------------------------------------------------- models
@@ -184,9 +183,9 @@ def check_settings_fit(s: Settings, m: Models) -> None:
             f"--max-len {s.max_len} exceeds the target's {positions} positions (max_position_embeddings); "
             f"use at most {positions}"
         )
-    if s.tree is not None and m.dcfg is not None:
+    if m.dcfg is not None:
         check_fits(s.tree, m.dcfg.draft_vocab_size)
-    if s.tree is not None and s.tree.needs_head and m.dcfg is None:
+    if s.tree.needs_head and m.dcfg is None:
         raise EagleError(f"the tree {envelope_name(s.tree)} grows from a draft head: give --draft DIR")
 
 
@@ -224,38 +223,31 @@ def run_generation(
 ) -> Outcome:
     """Generate for every prompt; `on_new(new tokens per row)` is called as cycles are accepted (once at the end
     on a mesh or without streaming)."""
-    overhead = s.tree.cache_overhead if s.tree else 0
     with command.hint("raise --max-len or shorten the prompt"):
         p = schedule.plan(
             [len(x) for x in prompts],
             s.max_new_tokens,
-            overhead,
+            s.tree.cache_overhead,
             capacity or s.max_len,
             m.tcfg.rope.max_position_embeddings,
         )
-    on_new = on_new or (lambda new: None)
-    dparams, dcfg = speculative.head_for(s.tree, m.dparams, m.dcfg)
-    args = (m.tparams, m.tcfg, dparams, dcfg, prompts, s.max_new_tokens)
+    streamed = s.stream and m.mesh is None
     t0 = time.perf_counter()
-    if s.tree is None:
-        if m.mesh is None:
-            res = plain.generate(m.tparams, m.tcfg, prompts, s.max_new_tokens, s.sampling, s.seed, p.capacity)
-        else:
-            res = programs.generate_plain(
-                m.tparams, m.tcfg, prompts, s.max_new_tokens, m.mesh, s.sampling, s.seed, p.capacity
-            )
-        result = SpecResult(res.tokens, [[0] * len(t) for t in res.tokens], res.stop_reasons)
-        on_new(result.tokens)
-    elif m.mesh is not None:
-        result = programs.generate(*args, m.mesh, s.tree, s.sampling, s.seed, p.capacity)
-        on_new(result.tokens)
-    elif s.stream:
-        state = None
-        for new, _, state in speculative.stream(*args, s.tree, s.sampling, s.seed, p.capacity):  # noqa: B007
-            on_new(new)
-        result = speculative.result(state)
-    else:
-        result = speculative.generate(*args, s.tree, s.sampling, s.seed, p.capacity)
+    result = programs.generate(
+        m.tparams,
+        m.tcfg,
+        m.dparams,
+        m.dcfg,
+        prompts,
+        s.max_new_tokens,
+        m.mesh,
+        s.tree,
+        s.sampling,
+        s.seed,
+        p.capacity,
+        on_new if streamed else None,
+    )
+    if on_new is not None and not streamed:
         on_new(result.tokens)
     return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
 
@@ -300,8 +292,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
     """The --json document: the contract fields first, then statistics and settings."""
     r = o.result
     new, cycles = sum(r.new_tokens), sum(r.cycles)
-    max_accept = s.tree.max_accept if s.tree else 0
-    tree = s.tree
+    max_accept = s.tree.max_accept
     return {
         "output_ids": r.tokens,
         "accept_lengths": r.accept_lengths,
@@ -313,7 +304,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
             for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)
         ],
         "accept_histogram": r.accept_histogram(max_accept),
-        "n_alpha": r.n_alpha(max_accept) if s.tree else [],
+        "n_alpha": r.n_alpha(max_accept) if s.tree.drafts else [],
         "prompt_ids": prompts,
         "seconds": o.seconds,
         "tokens_per_s": new / o.seconds if o.seconds > 0 else None,
@@ -321,8 +312,8 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
             "target": str(m.target_dir),
             "draft": str(m.draft_dir) if m.draft_dir else None,
             "draft_kind": m.dcfg.kind if m.dcfg else None,
-            "speculative": s.tree is not None,
-            "tree": envelope_json(tree),
+            "speculative": s.tree.drafts,
+            "tree": envelope_json(s.tree),
             "sampling": dataclasses.asdict(s.sampling),
             "seed": s.seed,
             "max_new_tokens": o.max_new_tokens,
@@ -351,8 +342,7 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
     prefills only its new tokens, and after the start-up warm-up nothing compiles. The oldest turns are
     dropped when the conversation outgrows the cache."""
     capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
-    dparams, dcfg = speculative.head_for(s.tree, m.dparams, m.dcfg)
-    talk = session.Session(m.tparams, m.tcfg, dparams, dcfg, s.tree, s.sampling, capacity, mesh=m.mesh)
+    talk = session.Session(m.tparams, m.tcfg, m.dparams, m.dcfg, s.tree, s.sampling, capacity, mesh=m.mesh)
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 read as U+FFFD, not a crash
@@ -377,10 +367,10 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
             continue
         history.append({"role": "user", "content": text})
         ids = loading.encode_chat(tok, history, use_template)
-        while len(ids) + talk.overhead >= capacity and len(history) - first > 1:
+        while len(ids) + s.tree.cache_overhead >= capacity and len(history) - first > 1:
             del history[first : first + 2]
             ids = loading.encode_chat(tok, history, use_template)
-        if len(ids) + talk.overhead >= capacity:
+        if len(ids) + s.tree.cache_overhead >= capacity:
             command.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
             history.pop()
             continue
@@ -392,9 +382,9 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
         history.append({"role": "assistant", "content": tok.decode(talk.last.tokens, skip_special_tokens=True)})
 
 
-def pair_name(m: Models, tree: TreeConfig | None) -> str:
+def pair_name(m: Models, tree: TreeConfig) -> str:
     """What decodes: the target, and the drafts its tree takes (the head's, the context's), or plain decoding."""
-    if tree is None or not tree.drafts:
+    if not tree.drafts:
         return f"{m.target_dir.name}, plain decoding"
     sources = ([f"its {m.dcfg.kind.upper()} head"] if tree.needs_head else []) + (
         ["drafts from the context"] if tree.context else []
@@ -541,7 +531,7 @@ def _main(argv: Sequence[str] | None) -> int:
     single = len(prompts) == 1
     if a.demo:
         print(
-            f"demo: {pair_name(m, s.tree)}; {'speculative' if s.tree else 'plain'} answer to: "
+            f"demo: {pair_name(m, s.tree)}; {'speculative' if s.tree.drafts else 'plain'} answer to: "
             f"{texts[0] if texts else prompts[0]}",
             file=sys.stderr,
         )
@@ -551,7 +541,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(flush=True)
     else:
         show_rows(outcome, tok)
-    print(stats_line(outcome, s.tree is not None), file=sys.stderr, flush=True)
+    print(stats_line(outcome, s.tree.drafts), file=sys.stderr, flush=True)
     doc = report(outcome, prompts, m, s, a)
     if a.compare:
         doc["compare"] = compare(m, prompts, s, outcome, tok)
@@ -576,7 +566,7 @@ def resolve_tree(
         recalibrate,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )
-    name = "plain decoding (no envelope beats it here)" if tree is None else f"envelope {envelope_name(tree)}"
+    name = f"envelope {envelope_name(tree)}" if tree.drafts else "plain decoding (no envelope beats it here)"
     print(f"batch {batch}: {name}", file=sys.stderr, flush=True)
     return dataclasses.replace(s, tree=tree, auto_tree=False)
 
@@ -591,7 +581,7 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
     """Time speculative and plain decoding of the prompts (on-device loops, after warm-up); print the plain
     answer and the speedup. Returns the figures for --json."""
     timed = dataclasses.replace(s, stream=False, warmup=True)
-    if s.tree is None:  # nothing to compare: plain decoding against itself would call noise a speedup
+    if not s.tree.drafts:  # nothing to compare: plain decoding against itself would call noise a speedup
         print(
             "[speculation not used: no draft envelope beat plain decoding by "
             f"{MARGIN:.0%} on this machine (its measured budget); the answer above is plain decoding's]",
@@ -600,7 +590,7 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
         )
         return {"speculative": False}
     spec = generate_timed(m, prompts, timed, None, shown.capacity)
-    base = generate_timed(m, prompts, dataclasses.replace(timed, tree=None), None, shown.capacity)
+    base = generate_timed(m, prompts, dataclasses.replace(timed, tree=PLAIN), None, shown.capacity)
     print("\nThe same with the target alone (plain decoding):")
     show_rows(base, tok)
     rate = lambda o: sum(o.result.new_tokens) / o.seconds  # noqa: E731

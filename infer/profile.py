@@ -29,9 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from cli import command, demo
-from eagle_jax.decoding import cost, plain, profiling, schedule, speculative
+from eagle_jax.decoding import cost, profiling, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_static
+from eagle_jax.decoding.tree import PLAIN, DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
 from eagle_jax.models import kv_cache, target
@@ -107,30 +107,33 @@ def profile(
     p = speculative.prepare(prompts, new_tokens, tree, tcfg)
     span = schedule.attention_span(prompt_len + new_tokens + tree.cache_overhead, p.capacity)
     key = jax.random.key(0)
-    static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=SAMPLING)
+    sides = {  # (head parameters, static settings)
+        "spec": (dparams, dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=SAMPLING)),
+        "plain": (None, dict(tcfg=tcfg, dcfg=None, tree=PLAIN, sampling=SAMPLING)),
+    }
 
-    def spec_state():
-        return speculative.prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
+    def state_of(side: str):
+        head, static = sides[side]
+        return speculative.prefill(tparams, head, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
 
-    def plain_state():
-        cache, first = plain.prefill(tparams, p.tokens, p.lengths, key, cfg=tcfg, sc=SAMPLING, capacity=p.capacity)
-        return plain.init_state(cache, first, p.limits, tcfg)
+    def run(side: str, state=None):
+        head, static = sides[side]
+        return speculative.run_span(tparams, head, state or state_of(side), span=span, **static)
 
-    def run_spec(state=None):
-        return speculative.run_span(tparams, dparams, state or spec_state(), span=span, **static)
+    def compiled(side: str):
+        head, static = sides[side]
+        return speculative.run_span.lower(tparams, head, state_of(side), span=span, **static).compile()
 
-    def run_plain(state=None):
-        return plain.decode_span(tparams, state or plain_state(), key, cfg=tcfg, sc=SAMPLING, span=span)
+    def timed(side: str) -> tuple[float, int, int]:
+        """(seconds per cycle, cycles, tokens emitted) of a run to the end of the span."""
+        done = jax.block_until_ready(run(side))
+        states = [jax.block_until_ready(state_of(side)) for _ in range(repeats + 1)]
+        cycles = int(done.cycle)
+        return _best(lambda: run(side, states.pop()), repeats) / cycles, cycles, int(np.sum(done.counts))
 
-    done = jax.block_until_ready(run_spec())
-    cycles, emitted = int(done.cycle), int(np.sum(done.counts))
-    states = [jax.block_until_ready(spec_state()) for _ in range(repeats + 1)]
-    cycle_s = _best(lambda: run_spec(states.pop()), repeats) / cycles
-    plain_states = [jax.block_until_ready(plain_state()) for _ in range(repeats + 1)]
-    step_s = _best(lambda: run_plain(plain_states.pop()), repeats) / (new_tokens - 1)
-    spec_compiled = speculative.run_span.lower(tparams, dparams, spec_state(), span=span, **static).compile()
-    plain_compiled = plain.decode_span.lower(tparams, plain_state(), key, cfg=tcfg, sc=SAMPLING, span=span).compile()
-    traced = profiling.phase_times(spec_compiled, lambda: run_spec(jax.block_until_ready(spec_state())))
+    (cycle_s, cycles, emitted), (step_s, _, _) = timed("spec"), timed("plain")
+    spec_compiled, plain_compiled = compiled("spec"), compiled("plain")
+    traced = profiling.phase_times(spec_compiled, lambda: run("spec", jax.block_until_ready(state_of("spec"))))
     scale = cycle_s * cycles / max(sum(traced.values()), 1e-12)
     tau = emitted / (cycles * batch)
     c = cycle_s / step_s - 1

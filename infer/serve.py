@@ -23,7 +23,7 @@ import jax
 
 from cli import command, demo, envelope, presets
 from eagle_jax.decoding import budget as budgets
-from eagle_jax.decoding.tree import envelope_name
+from eagle_jax.decoding.tree import PLAIN, envelope_name
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.parallel import distributed, sharding
@@ -109,7 +109,7 @@ def _main(argv: Sequence[str] | None) -> int:
         tcfg,
         dparams,
         dcfg,
-        (lambda n: measured.for_batch(n)) if measured else (lambda n: None),
+        measured.for_batch if measured else (lambda n: PLAIN),
         a.max_batch,
         a.max_len,
         max_queue=a.max_queue,

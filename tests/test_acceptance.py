@@ -65,7 +65,7 @@ def test_benchmark_summary_by_hand():
             },
             "plain": {
                 "tokens": plain_tokens,
-                "steps": plain_tokens - 1,
+                "cycles": plain_tokens - 1,
                 "seconds": plain_s,
                 "decode_s": plain_decode_s,
                 "prefill_s": plain_s - plain_decode_s,

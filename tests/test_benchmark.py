@@ -8,6 +8,9 @@ from pathlib import Path
 
 import jax
 import pytest
+from tiny import plain_generate
+
+from eagle_jax.decoding.tree import PLAIN
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden"
@@ -147,12 +150,12 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
     saved = budget.Budget.from_json(json.loads((head / "budget.json").read_text()))
     assert sorted(saved.measured) == [1, 2]
     assert all(
-        [m.tree for m in ms] == [None, DynamicTree(8, 2, 3), DynamicTree(4, 3, 1)] for ms in saved.measured.values()
+        [m.tree for m in ms] == [PLAIN, DynamicTree(8, 2, 3), DynamicTree(4, 3, 1)] for ms in saved.measured.values()
     )
     fastest = budget.choose(saved.measured[1])  # the rule itself: test_estimates.py
     assert saved.choices[1] == fastest and r["tree"] == (
         None
-        if fastest is None
+        if not fastest.drafts
         else {"total_tokens": fastest.total_tokens, "depth": fastest.depth, "top_k": fastest.top_k}
     )
     assert all(m.tau >= 1 for ms in saved.measured.values() for m in ms) and r["mismatches"] == 0
@@ -165,7 +168,7 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
     assert benchmark.main([*common, "--batch", "2", "--json", str(again)]) == 0
     assert json.loads(again.read_text())["tree"] == (
         None
-        if saved.choices[2] is None
+        if not saved.choices[2].drafts
         else {
             "total_tokens": saved.choices[2].total_tokens,
             "depth": saved.choices[2].depth,
@@ -177,7 +180,6 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
 def test_warm_up_compiles_every_span(golden_with_template):
     """After `Runner.warm`, timed runs of any prompts in the bucket compile nothing, across spans."""
     from cli.timing import Runner
-    from eagle_jax.decoding import plain as gen
     from eagle_jax.decoding import schedule, speculative
     from eagle_jax.decoding.tree import DynamicTree
 
@@ -186,7 +188,7 @@ def test_warm_up_compiles_every_span(golden_with_template):
     ids = runner.prompt([{"role": "user", "content": "Tell me about the sea."}])
     assert len(schedule.all_spans(runner.prepare([ids], 200).capacity)) >= 2
     runner.warm([ids])
-    programs = (gen.prefill, gen.decode_span, speculative.prefill, speculative.run_span)
+    programs = (speculative.prefill, speculative.run_span)
     before = [f._cache_size() for f in programs]
     for prompt in (ids, ids[:-2]):
         assert runner.plain([prompt])["tokens"] == runner.speculative([prompt])["tokens"]
@@ -209,7 +211,6 @@ def test_demo_pair_lossless():
     from transformers import AutoTokenizer
 
     from eagle_jax.decoding import speculative
-    from eagle_jax.decoding.plain import generate
     from eagle_jax.decoding.tree import DynamicTree
     from eagle_jax.io.loading import load_draft, load_target
 
@@ -221,7 +222,7 @@ def test_demo_pair_lossless():
         [{"role": "user", "content": "How do I make a cup of tea?"}], tokenize=False, add_generation_prompt=True
     )
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    plain = generate(tparams, tcfg, [ids], 64)
+    plain = plain_generate(tparams, tcfg, [ids], 64)
     for tree in (
         DynamicTree(total_tokens=5, depth=3, top_k=1),
         DynamicTree(total_tokens=16, depth=4, top_k=4),

@@ -14,10 +14,11 @@ import pytest
 from badinput import assert_refused, snapshot
 from procs import finish, launch
 from safetensors.numpy import load_file, save_file
+from tiny import plain_generate
 
 from cli import demo, presets
-from eagle_jax.decoding import budget, plain
-from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree, envelope_json
+from eagle_jax.decoding import budget
+from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, StaticTree, envelope_json
 from eagle_jax.errors import EagleError
 from eagle_jax.io import convert
 from infer import generate as cli_generate
@@ -253,7 +254,7 @@ def test_the_envelope_follows_the_heads_budget(reference, tmp_path, capsys, monk
     plain decoding; without one the envelopes are measured once and cached."""
     head = tmp_path / "head"
     shutil.copytree(EAGLE3, head)
-    table = budget.Budget(budget.device_kind(), {1: DynamicTree(5, 4, 1), 2: None})
+    table = budget.Budget(budget.device_kind(), {1: DynamicTree(5, 4, 1), 2: PLAIN})
     (head / "budget.json").write_text(json.dumps(table.to_json()))
     rows = [prompt(reference, 0), prompt(reference, 1)]
     for ids, want in (([rows[0]], {"total_tokens": 5, "depth": 4, "top_k": 1}), (rows, None)):
@@ -287,7 +288,7 @@ def test_context_drafts_need_no_head(reference, tmp_path, capsys):
         assert code == 0, err
         doc = json.loads(out.read_text())
         cfg, params = hf_target()
-        assert doc["output_ids"] == plain.generate(params, cfg, rows, 16).tokens
+        assert doc["output_ids"] == plain_generate(params, cfg, rows, 16).tokens
         assert doc["settings"]["tree"] == (
             tree or {"total_tokens": 5, "depth": 4, "top_k": 1, "context": 4, "min_match": 2}
         )
@@ -305,7 +306,7 @@ def test_compare_says_when_speculation_is_not_used(reference, tmp_path, capsys):
     against itself and calling the noise a speedup."""
     head = tmp_path / "head"
     shutil.copytree(EAGLE3, head)
-    (head / "budget.json").write_text(json.dumps(budget.Budget(budget.device_kind(), {1: None}).to_json()))
+    (head / "budget.json").write_text(json.dumps(budget.Budget(budget.device_kind(), {1: PLAIN}).to_json()))
     args = ["--target", TARGET, "--draft", str(head), "--prompt-ids", ids_arg(prompt(reference, 0))]
     code, _, err = in_process([*args, "--max-new-tokens", "6", "--compare"], capsys)
     assert code == 0, err
@@ -315,7 +316,7 @@ def test_compare_says_when_speculation_is_not_used(reference, tmp_path, capsys):
 def test_budgets_hold_context_envelopes(tmp_path):
     """A budget.json keeps head-only, context-only and combined choices; one without context fields still reads."""
     table = budget.Budget(
-        budget.device_kind(), {1: NoDraft(context=7), 4: DynamicTree(5, 4, 1, context=7, min_match=3), 8: None}
+        budget.device_kind(), {1: NoDraft(context=7), 4: DynamicTree(5, 4, 1, context=7, min_match=3), 8: PLAIN}
     )
     assert budget.Budget.from_json(json.loads(json.dumps(table.to_json()))) == table
     old = {"device": "cpu cpu", "choices": {"1": {"total_tokens": 4, "depth": 3, "top_k": 1}}}
@@ -396,7 +397,7 @@ def test_chat_keeps_history(golden_target, monkeypatch, capsys):
     cfg, params = golden_target
     history = "\n".join(["t5 t9", replies[0], "t7 t8"])
     ids = [int(w[1:]) for w in history.split()]
-    assert replies[1].split() == [f"t{t}" for t in plain.generate(params, cfg, [ids], 6).tokens[0]]
+    assert replies[1].split() == [f"t{t}" for t in plain_generate(params, cfg, [ids], 6).tokens[0]]
 
 
 def test_chat_reads_bytes_that_are_not_utf8(env):

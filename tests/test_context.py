@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import plain_generate
 
 from cli import demo
-from eagle_jax.decoding import context, plain, session, speculative
+from eagle_jax.decoding import context, session, speculative
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.context import NO_TOKEN
 from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
@@ -121,7 +122,7 @@ def test_greedy_with_context_drafts_equals_plain(tree, head, batch, pair):
         dcfg = dparams = None
     prompts = _prompts(batch, tcfg.vocab_size)
     res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 32, tree)
-    assert res.tokens == plain.generate(tparams, tcfg, prompts, 32).tokens
+    assert res.tokens == plain_generate(tparams, tcfg, prompts, 32).tokens
     assert res.tau > 1.2, res.tau
     assert all(0 <= a <= tree.max_accept for row in res.accept_lengths for a in row)
 
@@ -139,7 +140,7 @@ def test_a_context_cycle_has_a_narrow_branch_for_rows_without_candidates(monkeyp
         return real(*args, **kw)
 
     monkeypatch.setattr(speculative, "_forward", spy)
-    ref = plain.generate(tparams, tcfg, prompts, 6).tokens
+    ref = plain_generate(tparams, tcfg, prompts, 6).tokens
     for tree, head in ((NoDraft(context=5, min_match=4), False), (DynamicTree(5, 4, 1, context=5), True)):
         widths.clear()
         models = (dparams, dcfg) if head else (None, None)

@@ -8,12 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny import FAMILIES, tiny_draft, tiny_target, with_eos
+from tiny import FAMILIES, plain_generate, tiny_draft, tiny_target, with_eos
 
-from eagle_jax.decoding import plain, schedule, speculative
+from eagle_jax.decoding import speculative
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
+from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, StaticTree
 from eagle_jax.io import loading
 from eagle_jax.models import kv_cache
 
@@ -98,7 +98,7 @@ def test_while_loop_equals_stream(heads, golden_target, reference):
 
 
 def _plain(tparams, tcfg, prompts, n):
-    return plain.generate(tparams, tcfg, prompts, n).tokens
+    return plain_generate(tparams, tcfg, prompts, n).tokens
 
 
 ENVELOPES = [
@@ -160,12 +160,12 @@ def test_growing_attention_spans_are_lossless(monkeypatch):
             row.extend(toks)
     assert streamed == want
     assert sorted(set(traced)) == [128, 256, 384]  # the streamed cycle (prefill compiled already)
-    p = schedule.prepare(prompts, 300)
-    key = jax.random.key(0)
-    cache, first = plain.prefill(tparams, p.tokens, p.lengths, key, cfg=tcfg, sc=SamplingConfig(), capacity=p.capacity)
-    whole = plain.decode_span(
-        tparams, plain.init_state(cache, first, p.limits, tcfg), key, cfg=tcfg, sc=SamplingConfig()
+    p = speculative.prepare(prompts, 300, PLAIN, tcfg)
+    static = dict(tcfg=tcfg, dcfg=None, tree=PLAIN, sampling=SamplingConfig())
+    state = speculative.prefill(
+        tparams, None, p.tokens, p.lengths, p.limits, jax.random.key(0), capacity=p.capacity, **static
     )
+    whole = speculative.run_span(tparams, None, state, **static)
     assert [np.asarray(whole.out)[r, :300].tolist() for r in range(2)] == want
 
 
@@ -180,7 +180,7 @@ def test_bf16_engine_equals_bf16_plain(heads, golden_target, reference):
 
     tparams, dparams = bf16(tparams), bf16(dparams)
     prompts = [reference[f"p{i}.input_ids"].tolist() for i in range(4)]
-    want = plain.generate(tparams, tcfg, prompts, 32).tokens
+    want = plain_generate(tparams, tcfg, prompts, 32).tokens
     res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 32, DynamicTree(16, 4, 4))
     assert res.tokens == want and res.tau > 2
     from eagle_jax.models import target

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from eagle_jax.decoding import budget, cost
-from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
+from eagle_jax.decoding.tree import PLAIN, DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
 from infer import cost_table, tpu_estimate
 
@@ -41,7 +41,7 @@ def test_budget_choice_by_hand():
 
     def measured(plain: float, chain_rate: float, tree_rate: float) -> list[budget.Measured]:
         return [
-            budget.Measured(None, 1.0, plain),
+            budget.Measured(PLAIN, 1.0, plain),
             budget.Measured(chain, 2.0, chain_rate),
             budget.Measured(tree, 3.0, tree_rate),
         ]
@@ -50,10 +50,10 @@ def test_budget_choice_by_hand():
     assert budget.choose(measured(100, 120, 110)) == chain
     assert budget.choose(measured(100, 104, 110)) == tree
     assert budget.choose(measured(100, 105, 90)) == chain  # exactly the margin
-    assert budget.choose(measured(100, 104.9, 90)) is None  # faster, but within the margin
-    assert budget.choose(measured(100, 80, 90)) is None
+    assert budget.choose(measured(100, 104.9, 90)) == PLAIN  # faster, but within the margin
+    assert budget.choose(measured(100, 80, 90)) == PLAIN
     assert budget.choose(measured(100, 104, 90), margin=0.0) == chain
-    assert budget.choose([budget.Measured(None, 1.0, 100)]) is None
+    assert budget.choose([budget.Measured(PLAIN, 1.0, 100)]) == PLAIN
 
 
 def test_parsers():
@@ -71,14 +71,14 @@ def _run(tokens, seconds, decode_s, accept, **loop):
 
 
 def test_cost_table_figures_by_hand():
-    # two prompts, two repeats; spec: 6 + 4 tokens in 2 + 2 cycles; plain: the same tokens in 5 + 3 steps
+    # two prompts, two repeats; spec: 6 + 4 tokens in 2 + 2 cycles; plain: the same tokens in 5 + 3 cycles
     spec = [
         [_run([[1] * 6], 1.0, 0.8, [[2, 1]], cycles=2), _run([[2] * 4], 1.0, 0.8, [[1, 1]], cycles=2)],
         [_run([[1] * 6], 3.0, 2.0, [[2, 1]], cycles=2), _run([[2] * 4], 3.0, 2.0, [[1, 1]], cycles=2)],
     ]
     plain = [
-        [_run([[1] * 6], 2.0, 1.6, [[0] * 6], steps=5), _run([[2] * 4], 2.0, 1.6, [[0] * 4], steps=3)],
-        [_run([[1] * 6], 2.0, 1.6, [[0] * 6], steps=5), _run([[2] * 4], 2.0, 1.6, [[0] * 4], steps=3)],
+        [_run([[1] * 6], 2.0, 1.6, [[0] * 6], cycles=5), _run([[2] * 4], 2.0, 1.6, [[0] * 4], cycles=3)],
+        [_run([[1] * 6], 2.0, 1.6, [[0] * 6], cycles=5), _run([[2] * 4], 2.0, 1.6, [[0] * 4], cycles=3)],
     ]
     f = cost_table.figures(spec, plain)
     assert f["spec_tokens_per_s"] == 10 / 4.0  # median of (2.0, 6.0) s

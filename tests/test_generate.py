@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import plain_generate
 
-from eagle_jax.decoding import plain as gen
 from eagle_jax.decoding import schedule
 from eagle_jax.decoding.sampling import SamplingConfig, argmax, processed_probs, sample
 from eagle_jax.errors import EagleError
@@ -34,11 +34,10 @@ def golden_continuation(reference, i: int) -> list[int]:
 def test_golden_greedy_matches_hf(golden_target, golden_prompts, reference):
     cfg, params = golden_target
     for i, prompt in enumerate(golden_prompts):
-        res = gen.generate(params, cfg, [prompt], N_GREEDY, capacity=CAPACITY)
+        res = plain_generate(params, cfg, [prompt], N_GREEDY, capacity=CAPACITY)
         assert res.tokens[0] == golden_continuation(reference, i), f"prompt {i}"
         assert res.stop_reasons == ["length"]
-    res = gen.generate(params, cfg, golden_prompts, N_GREEDY, capacity=CAPACITY)
-    assert res.bucket == 48  # lengths 5, 13, 26, 40 padded to one bucket
+    res = plain_generate(params, cfg, golden_prompts, N_GREEDY, capacity=CAPACITY)
     for i in range(4):
         assert res.tokens[i] == golden_continuation(reference, i), f"batched row {i}"
 
@@ -82,8 +81,8 @@ def test_random_gqa_greedy_matches_hf(hf_gqa):
             seq = model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=24)
         expected.append(seq[0, len(p) :].tolist())
     for p, want in zip(prompts, expected):
-        assert gen.generate(params, cfg, [p], 24).tokens[0] == want
-    assert gen.generate(params, cfg, prompts, 24).tokens == expected
+        assert plain_generate(params, cfg, [p], 24).tokens[0] == want
+    assert plain_generate(params, cfg, prompts, 24).tokens == expected
 
 
 # --- stopping and capacity -------------------------------------------------------------------
@@ -94,7 +93,7 @@ def test_eos_stops_row_and_keeps_eos(golden_target, golden_prompts, reference):
     cont0, cont1 = golden_continuation(reference, 0)[:30], golden_continuation(reference, 1)
     eos = next(t for t in cont1[3:] if t not in cont0)  # row 1 hits it, row 0 never does
     stop = cont1.index(eos)
-    res = gen.generate(
+    res = plain_generate(
         params, dataclasses.replace(cfg, eos_token_ids=(eos,)), golden_prompts[:2], 30, capacity=CAPACITY
     )
     assert res.tokens[0] == cont0 and res.stop_reasons[0] == "length"
@@ -104,12 +103,12 @@ def test_eos_stops_row_and_keeps_eos(golden_target, golden_prompts, reference):
 def test_capacity_errors_and_clamping(golden_target, golden_prompts, reference):
     cfg, params = golden_target
     with pytest.raises(EagleError, match="40 tokens does not fit the cache capacity 40"):
-        gen.generate(params, cfg, [golden_prompts[3]], 5, capacity=40)
-    with pytest.warns(UserWarning, match="clamped to 3"):
-        res = gen.generate(params, cfg, [golden_prompts[3]], 10, capacity=43)
+        plain_generate(params, cfg, [golden_prompts[3]], 5, capacity=40)
+    with pytest.warns(UserWarning, match="clamped to 3"):  # each cycle commits its root: prompt + 3 + 1 slots
+        res = plain_generate(params, cfg, [golden_prompts[3]], 10, capacity=44)
     assert res.tokens[0] == golden_continuation(reference, 3)[:3]
     with pytest.raises(EagleError):
-        gen.generate(params, cfg, [[]], 5)
+        plain_generate(params, cfg, [[]], 5)
 
 
 def test_prompt_bucket():
@@ -231,7 +230,7 @@ def test_sample_distribution_matches_processed_probs(reference):
 
 def test_generate_first_token_distribution(golden_target, golden_prompts, reference):
     cfg, params = golden_target
-    res = gen.generate(params, cfg, [golden_prompts[1]] * 1024, 1, sampling=SC_STAT, seed=5, capacity=16)
+    res = plain_generate(params, cfg, [golden_prompts[1]] * 1024, 1, sampling=SC_STAT, seed=5, capacity=16)
     draws = np.array([t[0] for t in res.tokens])
     probs = np.asarray(processed_probs(jnp.asarray(reference["p1.logits"][-1]), SC_STAT), np.float64)
     assert chi_square_ok(draws, probs)
@@ -242,7 +241,7 @@ def test_sampling_reproducible_per_seed(golden_target, golden_prompts):
     sc = SamplingConfig(temperature=1.0, top_p=0.9)
 
     def run(seed: int) -> list[list[int]]:
-        return gen.generate(params, cfg, golden_prompts[:2], 20, sampling=sc, seed=seed, capacity=CAPACITY).tokens
+        return plain_generate(params, cfg, golden_prompts[:2], 20, sampling=sc, seed=seed, capacity=CAPACITY).tokens
 
     first = run(7)
     assert run(7) == first
@@ -273,10 +272,10 @@ def test_no_recompilation_within_bucket(golden_target, compile_log):
     def prompt(n: int) -> list[int]:
         return [1] + rng.integers(3, cfg.vocab_size, n - 1).tolist()
 
-    gen.generate(params, cfg, [prompt(26), prompt(18)], 8)  # warm-up: bucket 32, capacity 128
+    plain_generate(params, cfg, [prompt(26), prompt(18)], 8)  # warm-up: bucket 32, capacity 128
     compile_log.clear()
-    gen.generate(params, cfg, [prompt(27), prompt(31)], 8)  # new lengths, same bucket
-    gen.generate(params, cfg, [prompt(17), prompt(30)], 60, seed=3)  # more decode steps, new seed
+    plain_generate(params, cfg, [prompt(27), prompt(31)], 8)  # new lengths, same bucket
+    plain_generate(params, cfg, [prompt(17), prompt(30)], 60, seed=3)  # more decode steps, new seed
     assert compile_log == []
-    gen.generate(params, cfg, [prompt(40), prompt(18)], 8)  # bucket 48: compiles (the counter works)
+    plain_generate(params, cfg, [prompt(40), prompt(18)], 8)  # bucket 48: compiles (the counter works)
     assert any("prefill" in name for name in compile_log)

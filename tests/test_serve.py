@@ -20,9 +20,9 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from test_train import cli_env  # noqa: E402
+from tiny import plain_generate  # noqa: E402
 
-from eagle_jax.decoding import plain  # noqa: E402
-from eagle_jax.decoding.tree import DynamicTree, NoDraft  # noqa: E402
+from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft  # noqa: E402
 from eagle_jax.io import loading  # noqa: E402
 from eagle_jax.serving import api, batcher  # noqa: E402
 
@@ -44,7 +44,7 @@ QUESTIONS = [
 
 def envelope(live: int):
     """A tree for one or two rows, a chain for three, plain decoding (the head following along) for four."""
-    return {1: DynamicTree(16, 4, 4), 2: DynamicTree(16, 4, 4), 3: DynamicTree(5, 3, 1)}.get(live)
+    return {1: DynamicTree(16, 4, 4), 2: DynamicTree(16, 4, 4), 3: DynamicTree(5, 3, 1)}.get(live, PLAIN)
 
 
 def free_port() -> int:
@@ -79,7 +79,7 @@ def client(url):
 def plain_answer(models, question: str, max_tokens: int) -> str:
     tcfg, tparams, tok = models
     ids = loading.encode_chat(tok, [{"role": "user", "content": question}])
-    return tok.decode(plain.generate(tparams, tcfg, [ids], max_tokens).tokens[0], skip_special_tokens=True)
+    return tok.decode(plain_generate(tparams, tcfg, [ids], max_tokens).tokens[0], skip_special_tokens=True)
 
 
 def ask(url, question: str, max_tokens: int, stream: bool = False, model: str = "demo", **kw) -> tuple[str, str]:
@@ -121,7 +121,7 @@ def test_streamed_and_whole_answers_agree_and_count_usage(served):
     assert whole.usage.prompt_tokens == len(prompt) and 0 < whole.usage.completion_tokens <= 20
     text = client(url).completions.create(model="demo", prompt="The weather today", max_tokens=12, temperature=0)
     ids = list(tok("The weather today").input_ids)
-    expected = tok.decode(plain.generate(models[1], models[0], [ids], 12).tokens[0], skip_special_tokens=True)
+    expected = tok.decode(plain_generate(models[1], models[0], [ids], 12).tokens[0], skip_special_tokens=True)
     assert text.choices[0].text == expected and text.usage.completion_tokens == 12
 
 
@@ -246,12 +246,12 @@ def test_what_openai_accepts_is_accepted(served):
         tok, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
     )
     assert r.choices[0].message.content == tok.decode(
-        plain.generate(tparams, tcfg, [ids], 8).tokens[0], skip_special_tokens=True
+        plain_generate(tparams, tcfg, [ids], 8).tokens[0], skip_special_tokens=True
     )
 
     texts = ["The weather today", "Once upon a time"]
     ids = [list(tok(t).input_ids) for t in texts]
-    expected = [tok.decode(t, skip_special_tokens=True) for t in plain.generate(tparams, tcfg, ids, 10).tokens]
+    expected = [tok.decode(t, skip_special_tokens=True) for t in plain_generate(tparams, tcfg, ids, 10).tokens]
     for prompt in (texts, ids, ids[1]):
         r = c.completions.create(model="demo", prompt=prompt, max_tokens=10, temperature=0)
         got = [ch.text for ch in sorted(r.choices, key=lambda ch: ch.index)]
@@ -271,7 +271,7 @@ def test_usage_stops_at_the_token_that_completes_the_stop_string(served):
     url, _, models, _ = served
     tcfg, tparams, tok = models
     ids = loading.encode_chat(tok, [{"role": "user", "content": QUESTIONS[3]}])
-    answer = plain.generate(tparams, tcfg, [ids], 40).tokens[0]
+    answer = plain_generate(tparams, tcfg, [ids], 40).tokens[0]
     text = tok.decode(answer, skip_special_tokens=True)
     for stop in {text[6:9], text[15:17], text[24:27]}:
         counted = next(j for j in range(1, 41) if stop in tok.decode(answer[:j], skip_special_tokens=True))
@@ -412,10 +412,10 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
     dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
     prompt = list(range(20, 60)) * 2  # repeats itself: context candidates are taken
     answers = []
-    for tree in (DynamicTree(16, 4, 4), DynamicTree(5, 4, 1), NoDraft(context=5, min_match=1), None):
-        head = (dparams, dcfg) if tree is None or tree.needs_head else (None, None)
+    for tree in (DynamicTree(16, 4, 4), DynamicTree(5, 4, 1), NoDraft(context=5, min_match=1), PLAIN):
+        head = (dparams, dcfg) if tree == PLAIN or tree.needs_head else (None, None)
         engine = batcher.Batcher(tparams, tcfg, *head, lambda n, t=tree: t, slots=2, capacity=256, chunks=(32,))
-        assert (engine.dparams is None) == (tree is None or not tree.needs_head)  # no tree grows from the head
+        assert (engine.dparams is None) == (not tree.needs_head)  # no tree grows from the head
         for seed, sc in ((3, SamplingConfig(0.8, 0.9, 0)), (4, SamplingConfig(1.0, 1.0, 20))):
             out: list[int] = []
             engine.submit(batcher.Request(prompt, 40, sc, seed, out.extend, lambda why: None))
@@ -518,7 +518,7 @@ def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
     while engine.step():
         pass
     for prompt, out in zip(prompts, outs):
-        assert out == plain.generate(tparams, tcfg, [prompt], 24).tokens[0]
+        assert out == plain_generate(tparams, tcfg, [prompt], 24).tokens[0]
 
 
 def two_hosts(args: list[str], tmp_path: Path) -> tuple[list[subprocess.Popen], list[Path]]:

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 from jax import monitoring
 
-from eagle_jax.decoding import plain, session, speculative
+from eagle_jax.decoding import session, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree, StaticTree
+from eagle_jax.decoding.tree import PLAIN, DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
 
 TREE = DynamicTree(total_tokens=16, depth=4, top_k=4)
@@ -72,16 +72,13 @@ def _check_cache_lengths(talk: session.Session, prompt: int, answer: list[int], 
     one to feed); a speculative row the prompt and every committed cycle (root + accepted drafts; the last cycle
     may commit past the budget), in the target's cache and the head's alike."""
     state = talk.state
-    if talk.tree is None:
-        assert int(state.cache.lengths[0]) == prompt + len(answer) - 1
-        return
     committed = sum(a + 1 for a in accepts)
     assert committed >= len(answer)
     lengths = [state.target_cache.lengths] + ([state.draft_cache.lengths] if state.draft_cache is not None else [])
     assert [int(n[0]) for n in lengths] == [prompt + committed] * len(lengths)
 
 
-@pytest.mark.parametrize("tree", [TREE, StaticTree(((0,), (1,), (0, 0), (0, 0, 0))), None], ids=str)
+@pytest.mark.parametrize("tree", [TREE, StaticTree(((0,), (1,), (0, 0), (0, 0, 0))), PLAIN], ids=str)
 def test_turns_equal_decoding_from_scratch(pair, tree):
     """Each turn's answer equals generating the whole conversation from scratch, while the caches keep all
     but the last token of what they already held (the earlier prompts and answers)."""
@@ -89,11 +86,9 @@ def test_turns_equal_decoding_from_scratch(pair, tree):
     talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=CAPACITY, chunks=(64, 16))
     prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
     for prompt, answer, accepted in zip(prompts, answers, accepts):
-        if tree is None:
-            assert answer == plain.generate(tparams, tcfg, [prompt], 20, capacity=CAPACITY).tokens[0]
-        else:  # the head drafts from the same context too: the same cycles accept the same drafts
-            expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree, capacity=CAPACITY)
-            assert answer == expected.tokens[0] and accepted == expected.accept_lengths[0]
+        # the head drafts from the same context too: the same cycles accept the same drafts
+        expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree, capacity=CAPACITY)
+        assert answer == expected.tokens[0] and accepted == expected.accept_lengths[0]
     assert kept[0] == 0
     for before, answer, now in zip(prompts, answers, kept[1:]):
         assert now == len(before) + len(answer) - 1
@@ -124,7 +119,7 @@ def test_sampled_turns_equal_sampling_from_scratch(pair):
         assert answer == expected.tokens[0]
 
 
-@pytest.mark.parametrize("tree", [TREE, None], ids=["speculative", "plain"])
+@pytest.mark.parametrize("tree", [TREE, PLAIN], ids=["speculative", "plain"])
 def test_nothing_compiles_after_warm_up(pair, compiles, tree):
     """Prompts from 10 to 1900 tokens and several turns each run only the warmed programs."""
     tparams, tcfg, dparams, dcfg = pair

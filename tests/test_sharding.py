@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from tiny import tiny_draft, tiny_target
+from tiny import plain_generate, tiny_draft, tiny_target
 
 from cli import plan
-from eagle_jax.decoding import plain, programs, speculative
+from eagle_jax.decoding import programs, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.decoding.tree import PLAIN, DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed, sharding
 from eagle_jax.training import objective, step
@@ -74,8 +74,8 @@ def test_sampling_on_a_mesh_equals_unsharded(models, prompts):
 def test_plain_sharded_equals_unsharded(models, prompts):
     """Three rows on data=2 (one idle pad row), kv heads split over tensor=4."""
     tcfg, tparams, _, _ = models
-    want = plain.generate(tparams, tcfg, prompts[:3], 16)
-    got = programs.generate_plain(tparams, tcfg, prompts[:3], 16, sharding.make_mesh("tensor=4,data=2"))
+    want = plain_generate(tparams, tcfg, prompts[:3], 16)
+    got = programs.generate(tparams, tcfg, None, None, prompts[:3], 16, sharding.make_mesh("tensor=4,data=2"), PLAIN)
     assert got.tokens == want.tokens and got.stop_reasons == want.stop_reasons
 
 

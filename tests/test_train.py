@@ -20,8 +20,8 @@ from convdata import (
     write_jsonl,
 )
 from safetensors.numpy import load_file
+from tiny import plain_generate
 
-from eagle_jax.decoding import plain
 from eagle_jax.io import loading, store
 from eagle_jax.models import draft, params
 from eagle_jax.models.config import eagle3_head_like
@@ -364,7 +364,7 @@ def test_regenerate_replaces_answers_with_the_targets_greedy_ones(
         regeneration.prompt_ids(tokenizer, [{"role": "user", "content": r["conversations"][0]["value"]}])
         for r in source
     ]
-    expected = plain.generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos
+    expected = plain_generate(tparams, tcfg, prompts, 6).tokens  # the golden target never emits eos
     for row, src, tokens in zip(rows, source, expected):
         human, gpt = row["conversations"]
         assert human == src["conversations"][0]

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle_jax.decoding import speculative
+from eagle_jax.decoding.tree import PLAIN
 from eagle_jax.models import draft, target
 from eagle_jax.models.config import RopeConfig, TargetConfig
 from eagle_jax.models.draft import DraftConfig
@@ -92,3 +94,8 @@ def tiny_draft(
 
 def with_eos(cfg: TargetConfig, eos: tuple[int, ...]) -> TargetConfig:
     return dataclasses.replace(cfg, eos_token_ids=eos)
+
+
+def plain_generate(params: dict, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int, **kw):
+    """Plain decoding: the engine with `tree.PLAIN` and no head (`speculative.generate`'s other keywords)."""
+    return speculative.generate(params, cfg, None, None, prompts, max_new_tokens, PLAIN, **kw)

@@ -5,7 +5,7 @@ verification width once the target is compute-bound (large batches, CPUs). So th
 on the hardware and the batch size, and at some batch size none beats plain decoding. `measure` times
 plain decoding and each candidate envelope on calibration prompts (generation end to end, after one
 compiling pass, in interleaved rounds so that a slow spell of the machine does not land on one candidate);
-`choose` keeps the fastest, or plain decoding (None) unless an envelope beats it by `MARGIN` (a tie
+`choose` keeps the fastest, or plain decoding (`PLAIN`) unless an envelope beats it by `MARGIN` (a tie
 within the noise of a shared machine goes to plain decoding, which cannot lose to itself). A `Budget`
 holds the choices per batch size and serialises to JSON.
 """
@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from eagle_jax.decoding import plain, speculative
+from eagle_jax.decoding import speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import DynamicTree, NoDraft, envelope_from_json, envelope_json, envelope_name
+from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, envelope_from_json, envelope_json, envelope_name
 
 Envelope = DynamicTree | NoDraft
 
@@ -60,20 +60,20 @@ MARGIN = 0.05  # what speculation must gain over plain decoding's measured token
 
 @dataclasses.dataclass(frozen=True)
 class Measured:
-    tree: Envelope | None  # None: plain decoding
+    tree: Envelope  # PLAIN: plain decoding
     tau: float  # tokens per cycle (1 for plain decoding)
     tokens_per_s: float  # median over the rounds, prefill included
 
 
 @dataclasses.dataclass(frozen=True)
 class Budget:
-    """The envelope to use per batch size (None: plain decoding), and what it was chosen from."""
+    """The envelope to use per batch size (`PLAIN`: plain decoding), and what it was chosen from."""
 
     device: str
-    choices: dict[int, Envelope | None]
+    choices: dict[int, Envelope]
     measured: dict[int, list[Measured]] = dataclasses.field(default_factory=dict)
 
-    def for_batch(self, batch: int) -> Envelope | None:
+    def for_batch(self, batch: int) -> Envelope:
         """The choice for `batch` rows: that of the largest measured batch size <= batch (else the smallest)."""
         sizes = sorted(self.choices)
         return self.choices[max([s for s in sizes if s <= batch], default=sizes[0])]
@@ -124,18 +124,15 @@ def measure(
     """Tokens/s of plain decoding and of each candidate on `prompts` (one batch), median of `rounds`."""
     prompts = [list(p) for p in prompts]
 
-    def run(tree: Envelope | None) -> tuple[int, int]:
+    def run(tree: Envelope) -> tuple[int, int]:
         """(new tokens, cycles) of one generation."""
-        if tree is None:
-            res = plain.generate(tparams, tcfg, prompts, new_tokens, sampling)
-            return sum(map(len, res.tokens)), sum(map(len, res.tokens))
         head_params, head_cfg = speculative.head_for(tree, dparams, dcfg)
         res = speculative.generate(tparams, tcfg, head_params, head_cfg, prompts, new_tokens, tree, sampling)
         return sum(res.new_tokens), sum(res.cycles)
 
-    trees: list[Envelope | None] = [None, *(candidates_for(dcfg is not None) if candidates is None else candidates)]
+    trees: list[Envelope] = [PLAIN, *(candidates_for(dcfg is not None) if candidates is None else candidates)]
     counts = {t: run(t) for t in trees}  # compiles every program
-    rates: dict[Envelope | None, list[float]] = {t: [] for t in trees}
+    rates: dict[Envelope, list[float]] = {t: [] for t in trees}
     for _ in range(rounds):
         for tree in trees:
             start = time.perf_counter()
@@ -148,11 +145,11 @@ def measure(
     return measured
 
 
-def choose(measured: Sequence[Measured], margin: float = MARGIN) -> Envelope | None:
-    """The fastest envelope when it beats plain decoding (measured[i].tree None) by `margin`, else None."""
-    plain_rate = next(m.tokens_per_s for m in measured if m.tree is None)
-    fastest = max((m for m in measured if m.tree is not None), key=lambda m: m.tokens_per_s, default=None)
-    return fastest.tree if fastest and fastest.tokens_per_s >= (1 + margin) * plain_rate else None
+def choose(measured: Sequence[Measured], margin: float = MARGIN) -> Envelope:
+    """The fastest envelope when it beats plain decoding (`PLAIN`) by `margin`, else `PLAIN`."""
+    plain_rate = next(m.tokens_per_s for m in measured if not m.tree.drafts)
+    fastest = max((m for m in measured if m.tree.drafts), key=lambda m: m.tokens_per_s, default=None)
+    return fastest.tree if fastest and fastest.tokens_per_s >= (1 + margin) * plain_rate else PLAIN
 
 
 def calibrate(

@@ -11,16 +11,15 @@ bound), not a measurement.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from eagle_jax.decoding import plain, programs, speculative
+from eagle_jax.decoding import programs, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import TreeConfig
+from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.models import draft, target
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.params import with_dtype
@@ -85,7 +84,7 @@ def _compile(mesh: Mesh, fn: Any, *args: Any) -> Any:
 
 def cycle_cost(
     tcfg: TargetConfig,
-    dcfg: DraftConfig,
+    dcfg: DraftConfig | None,
     tree: TreeConfig,
     batch: int,
     capacity: int,
@@ -93,13 +92,14 @@ def cycle_cost(
     dtype: Any = jnp.bfloat16,
     sampling: SamplingConfig = SamplingConfig(),
 ) -> Cost:
-    """One speculative cycle (draft tree, verification, acceptance, draft catch-up) of `batch` rows attending
-    over `capacity` cache slots, sharded as the engine shards it on `mesh`: its cost per device."""
+    """One cycle (draft tree, verification, acceptance, draft catch-up) of `batch` rows attending over `capacity`
+    cache slots, sharded as the engine shards it on `mesh`: its cost per device. Plain decoding's step is the
+    cycle of `tree.PLAIN` without a head (`step_cost`)."""
     check_mesh(mesh, tcfg, dcfg, batch)
-    tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh)
+    tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh) if dcfg is not None else None
     ssh = programs.spec_state_shardings(tcfg, dcfg, mesh)
     tparams = abstract(with_dtype(target.param_specs(tcfg), dtype), tsh)
-    dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), dsh)
+    dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), dsh) if dcfg is not None else None
     state = abstract(jax.eval_shape(lambda: speculative.empty_state(tcfg, dcfg, batch, capacity, dtype)), ssh)
 
     def one_cycle(tp, dp, s):
@@ -119,15 +119,4 @@ def step_cost(
     sampling: SamplingConfig = SamplingConfig(),
 ) -> Cost:
     """One plain decode step of `batch` rows attending over `capacity` cache slots on `mesh`: its cost per device."""
-    check_mesh(mesh, tcfg, None, batch)
-    tsh, dsh = target_shardings(tcfg, mesh), programs.decode_state_shardings(tcfg, mesh)
-    params = abstract(with_dtype(target.param_specs(tcfg), dtype), tsh)
-    state = abstract(jax.eval_shape(lambda: plain.empty_state(tcfg, batch, capacity, dtype)), dsh)
-    key = abstract(jax.eval_shape(jax.random.key, 0), dsh.step)
-    step = jax.jit(
-        functools.partial(plain.step, cfg=tcfg, sc=sampling, span=capacity),
-        in_shardings=(tsh, dsh, dsh.step),
-        out_shardings=dsh,
-        donate_argnums=(1,),
-    )
-    return cost_of(_compile(mesh, step, params, state, key), device_bytes((params, state.cache)))
+    return cycle_cost(tcfg, None, PLAIN, batch, capacity, mesh, dtype, sampling)

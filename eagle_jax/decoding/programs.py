@@ -1,4 +1,4 @@
-"""Speculative and plain generation on a device mesh.
+"""Generation on a device mesh (speculative, or plain: the same engine with `tree.PLAIN`).
 
 Parameters, KV caches and loop state are placed by their logical axes (`sharding.LOGICAL_RULES`):
 attention heads, MLP width and vocabularies over `tensor`, batch rows over `data` (and `fsdp`),
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -21,8 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from eagle_jax.decoding import plain, schedule, speculative
-from eagle_jax.decoding.plain import DecodeState, GenerationResult
+from eagle_jax.decoding import speculative
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import SpecResult, SpecState
@@ -76,23 +76,6 @@ def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig | None, mesh: Mes
     )
 
 
-def decode_state_shardings(tcfg: TargetConfig, mesh: Mesh) -> DecodeState:
-    """The plain decode loop state: the cache as `cache_shardings`, per-row fields over data."""
-    by_row, by_row_wide, replicated = (
-        _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), ())
-    )
-    return DecodeState(
-        step=replicated,
-        last=by_row,
-        done=by_row,
-        eos=by_row,
-        counts=by_row,
-        limits=by_row,
-        out=by_row_wide,
-        cache=cache_shardings(tcfg.num_kv_heads, mesh),
-    )
-
-
 @dataclasses.dataclass(frozen=True)
 class SpecPrograms:
     """The engine's prefill and generation loop for one setting, jitted with in/out shardings.
@@ -133,41 +116,6 @@ def spec_programs(
     return SpecPrograms(tsh, dsh, ssh, rows, replicated, prefill, run)
 
 
-@dataclasses.dataclass(frozen=True)
-class PlainPrograms:
-    """Plain generation's prefill and decode loop for one setting, jitted with in/out shardings.
-
-    prefill(params, tokens [B, P], lengths [B], key) -> (KVCache, first [B])
-    decode(params, cache, first [B], limits [B], key) -> DecodeState (cache donated; whole-cache attention)
-    """
-
-    target: PyTree
-    rows: NamedSharding
-    replicated: NamedSharding
-    prefill: Any
-    decode: Any
-
-
-@functools.lru_cache(maxsize=16)
-def plain_programs(tcfg: TargetConfig, sampling: SamplingConfig, capacity: int, mesh: Mesh) -> PlainPrograms:
-    check_mesh(mesh, tcfg)
-    tsh, dsh = target_shardings(tcfg, mesh), decode_state_shardings(tcfg, mesh)
-    rows, replicated = dsh.counts, dsh.step
-    prefill = jax.jit(
-        functools.partial(plain.prefill, cfg=tcfg, sc=sampling, capacity=capacity),
-        in_shardings=(tsh, rows, rows, replicated),
-        out_shardings=(dsh.cache, rows),
-    )
-
-    def decode(params, cache, first, limits, key):
-        return plain.decode_loop(params, plain.init_state(cache, first, limits, tcfg), key, tcfg, sampling)
-
-    decode = jax.jit(
-        decode, in_shardings=(tsh, dsh.cache, rows, rows, replicated), out_shardings=dsh, donate_argnums=(1,)
-    )
-    return PlainPrograms(tsh, rows, replicated, prefill, decode)
-
-
 @functools.lru_cache(maxsize=16)
 def _replicator(mesh: Mesh) -> Any:
     """Jitted identity onto every device: outputs every host can read (also across hosts)."""
@@ -198,13 +146,30 @@ def generate(
     dcfg: DraftConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
-    mesh: Mesh,
+    mesh: Mesh | None,
     tree: TreeConfig = DynamicTree(),
     sampling: SamplingConfig = SamplingConfig(),
     seed: int = 0,
     capacity: int | None = None,
+    on_new: Callable[[list[list[int]]], None] | None = None,
 ) -> SpecResult:
-    """`speculative.generate` on a mesh: the same tokens, with parameters and state sharded."""
+    """Generation with `tree` (`tree.PLAIN`: plain decoding) on one device (mesh None) or sharded on a mesh: the
+    same tokens either way. On one device, `on_new(new tokens per row)` streams: it is called as cycles are
+    accepted. The head is used only when the tree grows from it (`speculative.head_for`)."""
+    dparams, dcfg = speculative.head_for(tree, dparams, dcfg)
+    args = (tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
+    if mesh is not None:
+        return _generate_sharded(*args, mesh)
+    if on_new is None:
+        return speculative.generate(*args)
+    state = None
+    for new, _, state in speculative.stream(*args):  # noqa: B007
+        on_new(new)
+    return speculative.result(state)
+
+
+def _generate_sharded(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity, mesh):
+    """`speculative.generate` on a mesh, with parameters and state sharded."""
     pad_id = tcfg.pad_token_id or 0
     rows = _pad_rows(prompts, mesh, pad_id)
     check_mesh(mesh, tcfg, dcfg, len(rows))
@@ -219,32 +184,6 @@ def generate(
     out, counts, eos, acc = _replicator(mesh)((state.out, state.counts, state.eos, state.accept_lengths))
     res = speculative.result(dataclasses.replace(state, out=out, counts=counts, eos=eos, accept_lengths=acc))
     return SpecResult(res.tokens[:n], res.accept_lengths[:n], res.stop_reasons[:n])
-
-
-def generate_plain(
-    params: PyTree,
-    cfg: TargetConfig,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    mesh: Mesh,
-    sampling: SamplingConfig = SamplingConfig(),
-    seed: int = 0,
-    capacity: int | None = None,
-) -> GenerationResult:
-    """`plain.generate` on a mesh: the same tokens, with parameters and cache sharded."""
-    pad_id = cfg.pad_token_id or 0
-    rows = _pad_rows(prompts, mesh, pad_id)
-    check_mesh(mesh, cfg, batch=len(rows))
-    p = schedule.prepare(rows, max_new_tokens, 0, capacity, cfg.rope.max_position_embeddings, pad_id)
-    progs = plain_programs(cfg, sampling, p.capacity, mesh)
-    n = len(prompts)
-    key = _key(seed, progs.replicated)
-    params = place(params, progs.target)
-    cache, first = progs.prefill(params, sharding.put(p.tokens, progs.rows), sharding.put(p.lengths, progs.rows), key)
-    state = progs.decode(params, cache, first, _put_rows(p.limits, n, 0, progs.rows), key)
-    out, counts, eos = _replicator(mesh)((state.out, state.counts, state.eos))
-    res = plain.result(dataclasses.replace(state, out=out, counts=counts, eos=eos), p.tokens.shape[1])
-    return dataclasses.replace(res, tokens=res.tokens[:n], stop_reasons=res.stop_reasons[:n])
 
 
 def plan_inference(

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.decoding.sampling import SamplingConfig, argmax
+from eagle_jax.decoding.sampling import SamplingConfig, argmax, filtered
 
 
 @jax.tree_util.register_dataclass
@@ -42,25 +42,10 @@ class RowControls:
 def processed_logits(logits: jax.Array, c: RowControls) -> jax.Array:
     """Logits [B, N, V] -> float32 logits after each row's temperature, top-k and top-p (rows with
     temperature 0 are returned unscaled: callers take their argmax)."""
-    t = jnp.where(c.temperature > 0, c.temperature, 1.0)[:, None, None]
+    t, top_k, top_p = (a[:, None, None] for a in (jnp.where(c.temperature > 0, c.temperature, 1.0), c.top_k, c.top_p))
     x = logits.astype(jnp.float32) / t
-    vocab = x.shape[-1]
-
-    def filtered(x: jax.Array) -> jax.Array:
-        order = jnp.argsort(-x, axis=-1, stable=True)  # [B, N, V] descending, ties by id
-        ranked = jnp.take_along_axis(x, order, axis=-1)
-        k = jnp.where((c.top_k > 0) & (c.top_k < vocab), c.top_k, vocab)[:, None, None]
-        kth = jnp.take_along_axis(ranked, jnp.broadcast_to(k - 1, ranked.shape[:-1] + (1,)), axis=-1)
-        ranked = jnp.where(ranked < kth, -jnp.inf, ranked)  # ties with the k-th value are kept
-        probs = jax.nn.softmax(ranked, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        top_p = c.top_p[:, None, None]
-        keep_ranked = ((mass_before < top_p) | (top_p >= 1)) & (ranked > -jnp.inf)
-        keep = jnp.put_along_axis(jnp.zeros_like(keep_ranked), order, keep_ranked, axis=-1, inplace=False)
-        return jnp.where(keep, x, -jnp.inf)
-
-    needs_filter = jnp.any((c.temperature > 0) & (((c.top_k > 0) & (c.top_k < vocab)) | (c.top_p < 1)))
-    return jax.lax.cond(needs_filter, filtered, lambda x: x, x)
+    needs_filter = jnp.any((c.temperature > 0) & (((c.top_k > 0) & (c.top_k < x.shape[-1])) | (c.top_p < 1)))
+    return jax.lax.cond(needs_filter, lambda x: filtered(x, top_k, top_p), lambda x: x, x)
 
 
 def sample(logits: jax.Array, c: RowControls, positions: jax.Array) -> jax.Array:

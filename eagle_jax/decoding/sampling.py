@@ -50,26 +50,38 @@ def argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, ids, x.shape[-1] - 1), axis=-1)
 
 
-def processed_logits(logits: jax.Array, sc: SamplingConfig) -> jax.Array:
-    """Logits [..., V] -> float32 logits [..., V] after temperature, top-k, top-p (HF order).
+def filtered(x: jax.Array, top_k, top_p) -> jax.Array:
+    """x [..., V] float32 with the tokens outside top-k, then outside top-p, set to -inf (HF order).
 
-    Removed tokens get -inf. Top-k keeps every token tied with the k-th largest logit (as HF does).
-    Top-p keeps the smallest prefix of the tokens sorted by probability (descending, ties by lower id)
-    whose cumulative probability reaches top_p; the most likely token is always kept.
+    top_k, top_p: scalars or arrays broadcast against x[..., :1] (per-row settings); 0 and 1 turn them off.
+    Top-k keeps every token tied with the k-th largest logit (as HF does). Top-p keeps the smallest prefix of the
+    tokens sorted by probability (descending, ties by lower id) whose cumulative probability reaches top_p; the
+    most likely token is always kept.
+    """
+    vocab = x.shape[-1]
+    order = jnp.argsort(-x, axis=-1, stable=True)  # [..., V] descending, ties by id
+    ranked = jnp.take_along_axis(x, order, axis=-1)
+    k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    kth = jnp.take_along_axis(ranked, jnp.broadcast_to(k - 1, ranked.shape[:-1] + (1,)), axis=-1)
+    ranked = jnp.where(ranked < kth, -jnp.inf, ranked)
+    probs = jax.nn.softmax(ranked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # [..., V] exclusive cumsum
+    keep_ranked = ((mass_before < top_p) | (top_p >= 1)) & (ranked > -jnp.inf)
+    keep = jnp.put_along_axis(jnp.zeros_like(keep_ranked), order, keep_ranked, axis=-1, inplace=False)
+    return jnp.where(keep, x, -jnp.inf)
+
+
+def processed_logits(logits: jax.Array, sc: SamplingConfig) -> jax.Array:
+    """Logits [..., V] -> float32 logits [..., V] after temperature, top-k, top-p (`filtered`); removed tokens get
+    -inf. Top-k alone takes the k-th value from `lax.top_k` instead of sorting the vocabulary (the same tokens).
     Not defined for greedy configs (use `processed_probs`).
     """
     x = logits.astype(jnp.float32) / sc.temperature
-    vocab = x.shape[-1]
-    if 0 < sc.top_k < vocab:
-        kth = jax.lax.top_k(x, sc.top_k)[0][..., -1:]  # [..., 1]
-        x = jnp.where(x < kth, -jnp.inf, x)
     if sc.top_p < 1:
-        order = jnp.argsort(-x, axis=-1, stable=True)  # [..., V] descending, ties by id
-        sorted_probs = jax.nn.softmax(jnp.take_along_axis(x, order, axis=-1), axis=-1)
-        mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs  # [..., V] exclusive cumsum
-        keep_sorted = mass_before < sc.top_p  # first entry always kept (0 < top_p)
-        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1, inplace=False)
-        x = jnp.where(keep, x, -jnp.inf)
+        return filtered(x, sc.top_k, sc.top_p)
+    if 0 < sc.top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, sc.top_k)[0][..., -1:]  # [..., 1]
+        return jnp.where(x < kth, -jnp.inf, x)
     return x
 
 

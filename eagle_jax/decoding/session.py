@@ -3,12 +3,12 @@
 A `Session` holds one row's target (and draft) KV caches at a fixed capacity. Each turn gets the whole
 conversation's token ids; the session keeps the longest prefix its caches already hold (the earlier
 turns, the answers it generated) and prefills only the rest, in chunks of a few fixed sizes. So the
-programs it runs do not depend on the conversation: one `extend` program per chunk size, and one decode
-program (a speculative cycle, or a plain decode loop) per attention span of `schedule.all_spans`.
+programs it runs do not depend on the conversation: one `extend` program per chunk size, and one cycle
+program per attention span of `schedule.all_spans` (plain decoding's cycle verifies the root alone).
 `warm_up` compiles exactly that set; afterwards no prompt length or number of turns compiles anything.
 
-Output equals decoding the conversation from scratch (`speculative.generate` / `plain.generate` with
-the same seed): the caches hold the same tokens at the same positions, and each turn samples with the
+Output equals decoding the conversation from scratch (`speculative.generate` with the same tree and
+seed): the caches hold the same tokens at the same positions, and each turn samples with the
 same keys.
 """
 
@@ -22,9 +22,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from eagle_jax.decoding import plain, programs, schedule, speculative
+from eagle_jax.decoding import programs, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import TreeConfig
+from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.parallel import sharding
@@ -89,11 +89,11 @@ class TurnStats:
     prefill_s: float
     decode_s: float
     tokens: list[int]  # the answer
-    accept_lengths: list[int]  # per cycle (empty for plain decoding)
+    accept_lengths: list[int]  # per cycle (all 0 for plain decoding)
 
 
 class Session:
-    """One conversation (one row) on one device, speculative when a head and a tree are given, else plain."""
+    """One conversation (one row) on one device, decoded with `tree` (default plain decoding)."""
 
     def __init__(
         self,
@@ -101,34 +101,25 @@ class Session:
         tcfg: TargetConfig,
         dparams: dict | None = None,
         dcfg: DraftConfig | None = None,
-        tree: TreeConfig | None = None,
+        tree: TreeConfig = PLAIN,
         sampling: SamplingConfig = SamplingConfig(),
         capacity: int = 4096,
         chunks: Sequence[int] = CHUNKS,
         mesh: Mesh | None = None,
     ):
-        if tree is not None and tree.needs_head and dparams is None:
+        if tree.needs_head and dparams is None:
             raise EagleError(f"the tree {tree} grows from a draft head: give one, or a tree with no head's part")
         target_capacity = tcfg.rope.max_position_embeddings
         if capacity > target_capacity:
             raise EagleError(f"capacity {capacity} exceeds the target's {target_capacity} positions; lower it")
+        dparams, dcfg = speculative.head_for(tree, dparams, dcfg)
         self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
         self.tree, self.sampling, self.capacity, self.chunks = tree, sampling, capacity, tuple(chunks)
-        self.overhead = tree.cache_overhead if tree is not None else 0
-        dtype = tparams["embed"].dtype
-        if tree is None:
-            self.state = plain.empty_state(tcfg, 1, capacity, dtype)
-        else:
-            self.state = speculative.empty_state(tcfg, dcfg, 1, capacity, dtype)
+        self.state = speculative.empty_state(tcfg, dcfg, 1, capacity, tparams["embed"].dtype)
         if mesh is not None:  # the caches split over `tensor` like the parameters; one row: no data axis
             if sharding.data_parallelism(mesh) > 1:
                 raise EagleError("a conversation is one row: use a mesh with data=1 and fsdp=1 (e.g. tensor=N)")
-            layout = (
-                programs.decode_state_shardings(tcfg, mesh)
-                if tree is None
-                else programs.spec_state_shardings(tcfg, dcfg, mesh)
-            )
-            self.state = jax.device_put(self.state, layout)
+            self.state = jax.device_put(self.state, programs.spec_state_shardings(tcfg, dcfg, mesh))
         self._key = jax.random.key(0)
         self.cached: list[int] = []  # token ids the caches hold (positions 0..), the last answer included
         self.turns = 0
@@ -138,9 +129,8 @@ class Session:
         return schedule.all_spans(self.capacity)
 
     def programs(self) -> list[str]:
-        """The compiled set: one prefill program per chunk size, one decode program per span."""
-        kind = "cycle" if self.tree is not None else "decode loop"
-        return [f"extend {c}" for c in self.chunks] + [f"{kind} span {s}" for s in self.spans]
+        """The compiled set: one prefill program per chunk size, one cycle per span."""
+        return [f"extend {c}" for c in self.chunks] + [f"cycle span {s}" for s in self.spans]
 
     def warm_up(self) -> float:
         """Compile every program this session can run (by running each once); returns the seconds taken."""
@@ -148,7 +138,7 @@ class Session:
         for size in self.chunks:
             self._extend([1] * size, 0, np.int32(1), jax.random.key(0))
         for span in self.spans:
-            self.state = self._decode(span)
+            self.state = self._cycle(span)
             jax.block_until_ready(self.state)
         self.cached = []
         return time.perf_counter() - t0
@@ -158,25 +148,20 @@ class Session:
         for piece in pieces(prompt, keep, self.chunks):
             common = (np.array([piece.start], np.int32), piece.tokens[None])
             rest = (np.array([piece.n], np.int32), np.array([piece.final]), np.array([limit], np.int32), key)
-            if self.tree is None:
-                self.state = plain.extend(self.tparams, self.state, *common, *rest, cfg=self.tcfg, sc=self.sampling)
-            else:
-                self.state = speculative.extend(
-                    self.tparams,
-                    self.dparams,
-                    self.state,
-                    *common,
-                    piece.follow[None],
-                    *rest,
-                    tcfg=self.tcfg,
-                    dcfg=self.dcfg,
-                    sampling=self.sampling,
-                )
+            self.state = speculative.extend(
+                self.tparams,
+                self.dparams,
+                self.state,
+                *common,
+                piece.follow[None],
+                *rest,
+                tcfg=self.tcfg,
+                dcfg=self.dcfg,
+                sampling=self.sampling,
+            )
 
-    def _decode(self, span: int):
-        """One decode program over `span` slots: a speculative cycle, or plain steps until the span is full."""
-        if self.tree is None:
-            return plain.decode_span(self.tparams, self.state, self._key, cfg=self.tcfg, sc=self.sampling, span=span)
+    def _cycle(self, span: int):
+        """One cycle attending over `span` slots."""
         state, _ = speculative.cycle(
             self.tparams,
             self.dparams,
@@ -189,16 +174,11 @@ class Session:
         )
         return state
 
-    def _slots_needed(self) -> np.ndarray:
-        if self.tree is None:
-            return np.asarray(jax.device_get(self.state.cache.lengths)) + 1
-        return speculative.host_slots_needed(self.state, self.tree)
-
     def reply(self, prompt: Sequence[int], max_new_tokens: int, seed: int = 0) -> Iterator[list[int]]:
         """Answer the conversation `prompt` (all its token ids so far): yields new tokens as they are
         accepted; `last` then holds the turn's figures. The caches keep the prompt and the answer."""
         prompt = list(prompt)
-        plan = schedule.plan([len(prompt)], max_new_tokens, self.overhead, self.capacity)
+        plan = schedule.plan([len(prompt)], max_new_tokens, self.tree.cache_overhead, self.capacity)
         keep = reusable(self.cached, prompt)
         self._key = jax.random.key(seed)
         t0 = time.perf_counter()
@@ -207,17 +187,15 @@ class Session:
         t1 = time.perf_counter()
         shown, done = 0, False
         while not done:  # whole arrays come to the host: indexing on device would compile small programs
-            span = schedule.attention_span(int(self._slots_needed()[0]), self.capacity)
-            self.state = self._decode(span)
+            span = schedule.attention_span(int(speculative.host_slots_needed(self.state, self.tree)[0]), self.capacity)
+            self.state = self._cycle(span)
             counts, finished, out = jax.device_get((self.state.counts, self.state.done, self.state.out))
             done = bool(finished[0])
             if counts[0] > shown:
                 yield out[0, shown : counts[0]].tolist()
                 shown = int(counts[0])
         tokens = out[0, :shown].tolist()
-        accepts = []
-        if self.tree is not None:
-            accepts = [int(a) for a in jax.device_get(self.state.accept_lengths)[:, 0] if a >= 0]
+        accepts = [int(a) for a in jax.device_get(self.state.accept_lengths)[:, 0] if a >= 0]
         self.cached = prompt + tokens
         self.turns += 1
         self.last = TurnStats(len(prompt), keep, t1 - t0, time.perf_counter() - t1, tokens, accepts)

@@ -189,6 +189,7 @@ class NoDraft(_Envelope):
 
 
 TreeConfig = DynamicTree | StaticTree | NoDraft
+PLAIN = NoDraft()  # plain decoding: the engine's cycle verifies the root alone
 
 
 def check_fits(tree: TreeConfig, draft_vocab_size: int) -> None:
@@ -410,10 +411,10 @@ def parse_static(text: str) -> StaticTree:
         ) from None
 
 
-def envelope_name(tree: TreeConfig | None) -> str:
+def envelope_name(tree: TreeConfig) -> str:
     """'5/4/1' (total_tokens/depth/top_k), '5/4/1+ctx7' (with 7 context candidates), 'ctx7' (context alone),
-    'ctx7m3' (a match of 3 tokens or more), 'plain' (None or nothing drafted); a static tree by its node count."""
-    if tree is None or not tree.drafts:
+    'ctx7m3' (a match of 3 tokens or more), 'plain' (nothing drafted); a static tree by its node count."""
+    if not tree.drafts:
         return "plain"
     ctx = f"ctx{tree.context}" + (f"m{tree.min_match}" if tree.min_match != 2 else "") if tree.context else ""
     if isinstance(tree, NoDraft):
@@ -426,9 +427,10 @@ def envelope_name(tree: TreeConfig | None) -> str:
     return head + ("+" + ctx if ctx else "")
 
 
-def envelope_json(tree: TreeConfig | None) -> dict | None:
-    """A tree's fields (a static tree's as static_paths); the context's only when it has candidates."""
-    if tree is None:
+def envelope_json(tree: TreeConfig) -> dict | None:
+    """A tree's fields (a static tree's as static_paths); the context's only when it has candidates; None for
+    plain decoding."""
+    if not tree.drafts:
         return None
     doc = dataclasses.asdict(tree)
     if isinstance(tree, StaticTree):
@@ -436,10 +438,10 @@ def envelope_json(tree: TreeConfig | None) -> dict | None:
     return doc if tree.context else {k: v for k, v in doc.items() if k not in ("context", "min_match")}
 
 
-def envelope_from_json(doc: dict | None) -> DynamicTree | NoDraft | None:
-    """`envelope_json`'s inverse (a dict without total_tokens is a head-less envelope)."""
+def envelope_from_json(doc: dict | None) -> DynamicTree | NoDraft:
+    """`envelope_json`'s inverse (a dict without total_tokens is a head-less envelope, None plain decoding)."""
     if doc is None:
-        return None
+        return PLAIN
     return DynamicTree(**doc) if "total_tokens" in doc else NoDraft(**doc)
 
 

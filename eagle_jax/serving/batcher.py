@@ -3,7 +3,7 @@
 One engine thread owns the device state (`speculative.SpecState` with per-row sampling controls, fixed
 capacity). Between cycles it brings waiting requests into free slots with the chunked prefill of
 `speculative.extend` (the other rows are untouched), picks the tree envelope for the number of live rows
-from the measured budget (`NoDraft`, plain decoding that keeps the head's context, where no tree wins),
+from the measured budget (`PLAIN`, plain decoding that keeps the head's context, where no tree wins),
 runs one cycle over the attention span the live rows need, and hands each row its new tokens. A finished,
 stopped or cancelled row frees its slot at once. A free slot keeps its caches: a new request sharing a
 prefix with what a slot last held (the next turn of a conversation) prefills only the rest.
@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from eagle_jax.decoding import programs, schedule, session, speculative
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import NoDraft, TreeConfig
+from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.parallel import distributed, sharding
@@ -145,7 +145,7 @@ class Batcher:
         tcfg: TargetConfig,
         dparams: dict | None,
         dcfg: DraftConfig | None,
-        envelopes: Callable[[int], TreeConfig | None],
+        envelopes: Callable[[int], TreeConfig],
         slots: int = 8,
         capacity: int = 2048,
         chunks: Sequence[int] = session.CHUNKS,
@@ -159,7 +159,7 @@ class Batcher:
             )
         self.slots, self.capacity, self.chunks, self.max_queue = slots, capacity, tuple(chunks), max_queue
         live = range(1, slots + 1)
-        self.envelope = {n: (envelopes(n) or NoDraft()) if speculate else NoDraft() for n in live}
+        self.envelope = {n: envelopes(n) if speculate else PLAIN for n in live}
         if not any(t.needs_head for t in self.envelope.values()):  # no tree grows from the head: leave it out
             dparams = dcfg = None
         self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from eagle_jax.decoding import schedule
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 
@@ -362,13 +363,12 @@ class Batch:
 
 
 def bucket_sizes(max_length: int, smallest: int = 64) -> tuple[int, ...]:
-    """Padded lengths that batches use: 64, 96, 128, 192, 256, ... (<= 1.5x apart) below max_length, then max_length."""
-    sizes = []
-    size = smallest
-    while size < max_length:
-        sizes += [s for s in (size, size * 3 // 2) if s < max_length]
-        size *= 2
-    return tuple(sizes) + (max_length,)
+    """Padded lengths that batches use: `schedule.prompt_bucket`'s from `smallest` (64, 96, 128, 192, 256, ...:
+    <= 1.5x apart), the last one max_length."""
+    sizes = [min(smallest, max_length)]
+    while sizes[-1] < max_length:
+        sizes.append(schedule.prompt_bucket(sizes[-1] + 1, max_length))
+    return tuple(sizes)
 
 
 def bucket_for(length: int, buckets: Sequence[int]) -> int:

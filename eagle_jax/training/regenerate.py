@@ -19,9 +19,10 @@ from pathlib import Path
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from eagle_jax.decoding import plain, programs
-from eagle_jax.decoding.plain import GenerationResult
+from eagle_jax.decoding import programs
 from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.speculative import SpecResult
+from eagle_jax.decoding.tree import PLAIN
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
 from eagle_jax.models.config import TargetConfig
@@ -46,10 +47,8 @@ class RegenerateConfig:
 
 def _generate(
     params, cfg: TargetConfig, prompts: list[list[int]], rc: RegenerateConfig, seed: int, mesh: Mesh | None = None
-) -> GenerationResult:
-    if mesh is None:
-        return plain.generate(params, cfg, prompts, rc.max_new_tokens, rc.sampling, seed=seed)
-    return programs.generate_plain(params, cfg, prompts, rc.max_new_tokens, mesh, rc.sampling, seed=seed)
+) -> SpecResult:
+    return programs.generate(params, cfg, None, None, prompts, rc.max_new_tokens, mesh, PLAIN, rc.sampling, seed)
 
 
 def prompt_ids(tokenizer, turns: list[dict[str, str]]) -> list[int]:
