@@ -21,7 +21,7 @@ from pathlib import Path
 
 import jax
 
-from cli import command, demo, envelope, presets
+from cli import command, demo, envelope, generation, presets
 from eagle_jax.decoding import budget as budgets
 from eagle_jax.decoding.tree import PLAIN, envelope_name
 from eagle_jax.errors import EagleError
@@ -92,12 +92,8 @@ def _main(argv: Sequence[str] | None) -> int:
     with command.flag("--mesh"):
         mesh = sharding.make_mesh(mesh_text) if mesh_text else None
         batcher.check_hosts(mesh)
-        tcfg, tparams = loading.load_target(target_dir, dtype, mesh)
-        dcfg = dparams = None
-        if draft_dir is not None:
-            dcfg, dparams = loading.load_draft(draft_dir, tcfg, dtype=tparams["embed"].dtype, mesh=mesh)
-    if mesh is None:
-        tparams, dparams = jax.device_put(tparams), jax.device_put(dparams)
+        m = generation.load_models(target_dir, draft_dir, None, dtype, mesh)
+    tcfg, tparams, dcfg, dparams = m.tcfg, m.tparams, m.dcfg, m.dparams
     with command.flag("--target"):
         tok = loading.load_tokenizer(target_dir, preset.chat_template if preset else None)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731

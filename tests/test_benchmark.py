@@ -312,9 +312,9 @@ def test_an_unwritable_report_folder_is_refused_before_any_work(tmp_path, monkey
 
 
 def test_profile_names_where_the_cycle_spends_its_time(tmp_path, capsys):
-    """infer.profile on the demo pair: the traced ops land in the named phases (not in 'other'), the census
+    """instruments.profile on the demo pair: the traced ops land in the named phases (not in 'other'), the census
     counts ops, forward widths are timed, and the flops floor lies under the measured cycle."""
-    from infer import profile
+    from instruments import profile
 
     out = tmp_path / "profile.json"
     args = ["--total-tokens", "8", "--depth", "3", "--tree-top-k", "2", "--prompt-len", "16", "--new-tokens", "12"]

@@ -9,7 +9,7 @@ import pytest
 from eagle_jax.decoding import budget, cost
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
-from infer import cost_table, tpu_estimate
+from instruments import cost_table, tpu_estimate
 
 CHIP = cost.Chip("test", peak_flops=100.0, hbm_bandwidth=10.0)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # library packages, bottom to top; a module imports its own package or lower ranks only
 LIBRARY_RANKS = {"errors": 0, "models": 1, "parallel": 2, "io": 3, "decoding": 3, "training": 4, "serving": 4}
-COMMANDS = ("infer", "train", "convert")  # entry points: they may import the library and `cli`
+COMMANDS = ("infer", "instruments", "train", "convert")  # entry points: they may import the library and `cli`
 SHARED_CLI = "cli"
 
 

@@ -427,7 +427,7 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
 
 
 def test_loadtest_reports_model_paths_without_the_machines_folders(tmp_path):
-    from infer import loadtest
+    from instruments import loadtest
 
     run, shown = loadtest.server_flags(str(tmp_path / "smollm2"), "demo/eagle3", "fp32", 8, 1024)
     assert run == [f"--target={tmp_path / 'smollm2'}", "--draft=demo/eagle3", "--dtype=fp32", *shown[3:]]
@@ -436,7 +436,7 @@ def test_loadtest_reports_model_paths_without_the_machines_folders(tmp_path):
 
 
 def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
-    from infer import loadtest
+    from instruments import loadtest
 
     url, _, _, _ = served
     out = tmp_path / "load.json"
@@ -461,7 +461,7 @@ def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
 def test_loadtest_fault_mode_finds_nothing_wrong(served, monkeypatch, tmp_path, capsys):
     """A burst beyond the slots (no queue), clients that go away, a 32 MB body, malformed requests: each
     request completes, is refused correctly or is abandoned; none is wrong."""
-    from infer import loadtest
+    from instruments import loadtest
 
     url, engine, _, _ = served
     monkeypatch.setattr(engine, "max_queue", 0)

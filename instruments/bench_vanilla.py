@@ -1,6 +1,6 @@
 """Plain-generation throughput of a random ~100M-parameter Llama: prefill and decode tokens/s per batch size.
 
-    python -m infer.bench_vanilla [--batch-sizes 1,8] [--prompt-len 128] [--new-tokens 64] [--json OUT]
+    python -m instruments.bench_vanilla [--batch-sizes 1,8] [--prompt-len 128] [--new-tokens 64] [--json OUT]
 
 Compilation is excluded (one warm-up run per batch size); every timing ends with block_until_ready.
 Decode tokens/s counts the tokens made by the decode loop (new_tokens - 1 per row; the first comes
@@ -83,7 +83,7 @@ def bench_batch(
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    ap = command.ArgumentParser(prog="python -m infer.bench_vanilla", description=__doc__.splitlines()[0])
+    ap = command.ArgumentParser(prog="python -m instruments.bench_vanilla", description=__doc__.splitlines()[0])
     ap.add_argument("--batch-sizes", default="1,8", help="comma-separated batch sizes")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=64)

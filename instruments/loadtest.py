@@ -1,10 +1,10 @@
 """Load test of the OpenAI-compatible server: throughput, time to first token and time per output token at
 several concurrency levels, with speculation and with --no-spec, in one run.
 
-    python -m infer.loadtest [--target DIR --draft DIR] [--concurrency 1,2,4,8,16] [--max-batch 16]
+    python -m instruments.loadtest [--target DIR --draft DIR] [--concurrency 1,2,4,8,16] [--max-batch 16]
         [--questions data/eval/mt_bench.jsonl] [--requests 16] [--max-tokens 128] [--json OUT]
-    python -m infer.loadtest --url http://127.0.0.1:8000 ...          # a server already running (one mode)
-    python -m infer.loadtest --faults [--burst 48] [--max-queue 4] ...  # the server under faults
+    python -m instruments.loadtest --url http://127.0.0.1:8000 ...          # a server already running (one mode)
+    python -m instruments.loadtest --faults [--burst 48] [--max-queue 4] ...  # the server under faults
 
 Without --url it starts `python -m infer.serve` twice on a free local port (speculative, then --no-spec,
 same models and settings), waits for its warm-up, and sends greedy streamed chat requests (MT-bench first
@@ -359,7 +359,7 @@ def plot(report: dict, path: Path) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = command.ArgumentParser(prog="python -m infer.loadtest", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m instruments.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (measured as one mode); default: start one per mode")
     p.add_argument("--target", help="target for the servers started here (default: the demo pair)")
     p.add_argument("--draft", help="head for the servers started here")

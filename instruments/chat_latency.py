@@ -1,6 +1,6 @@
 """Per-turn latency of a chat that keeps its caches, against decoding each turn's whole conversation again.
 
-    python -m infer.chat_latency [--target DIR --draft DIR | --no-spec] [--turns 5] [--max-new-tokens 64]
+    python -m instruments.chat_latency [--target DIR --draft DIR | --no-spec] [--turns 5] [--max-new-tokens 64]
         [--max-len 2048] [--total-tokens N --depth D --tree-top-k K] [--json OUT]
 
 The user turns are MT-bench's (both turns of the first questions, in order), with the target's chat
@@ -99,7 +99,7 @@ def render(r: dict) -> str:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = command.ArgumentParser(prog="python -m infer.chat_latency", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m instruments.chat_latency", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
     p.add_argument("--draft", help="store or official EAGLE head folder (default: the target store's, or the demo's)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone")

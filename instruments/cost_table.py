@@ -1,6 +1,6 @@
 """Cost table on the machine at hand: speculative vs plain decoding of the golden pair, ours and (optionally) official.
 
-    python -m infer.cost_table [--target tests/golden/target --draft tests/golden/eagle3]
+    python -m instruments.cost_table [--target tests/golden/target --draft tests/golden/eagle3]
         [--prompts-npz tests/golden/reference.npz | --questions FILE --limit 4]
         [--envelopes 60/7/10,16/4/4,5/4/1] [--batches 1,8]
         [--max-new-tokens 64] [--repeats 3] [--official-python PY --eagle-repo DIR [--threads 1]] [--json OUT]
@@ -13,7 +13,7 @@ before the timings (`cli.timing.Runner`); times are medians over --repeats of th
 prompts, prefill included. Reported: spec and plain tokens/s, speedup, tau, c = (speculative loop time / cycles)
 / (plain loop time / steps) - 1, and whether the speculative outputs equal the plain ones.
 
-With --official-python and --eagle-repo, `infer/official_timing.py` then times the official PyTorch code on
+With --official-python and --eagle-repo, `instruments/official_timing.py` then times the official PyTorch code on
 the same prompts and envelopes (batch 1: the official code decodes one sequence) in a subprocess under that
 Python, and the table adds its tokens/s, c and the ratio ours / official.
 """
@@ -95,12 +95,12 @@ def time_setting(runner: Runner, tree: TreeConfig, batches: list[list[list[int]]
 
 
 def run_official(args, envelopes: list[DynamicTree]) -> dict:
-    """infer/official_timing.py under the official code's Python; its JSON."""
+    """instruments/official_timing.py under the official code's Python; its JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "official.json"
         cmd = [
             args.official_python,
-            str(REPO / "infer" / "official_timing.py"),
+            str(REPO / "instruments" / "official_timing.py"),
             "--eagle-repo",
             args.eagle_repo,
             "--target",
@@ -122,7 +122,7 @@ def run_official(args, envelopes: list[DynamicTree]) -> dict:
         ]
         done = subprocess.run(cmd, cwd=REPO, stdout=sys.stderr, check=False)
         if done.returncode:
-            raise EagleError(f"infer/official_timing.py exited with {done.returncode}")
+            raise EagleError(f"instruments/official_timing.py exited with {done.returncode}")
         return files.read_json(out)
 
 
@@ -168,7 +168,7 @@ def write(path: Path, report: dict) -> None:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = command.ArgumentParser(prog="python -m infer.cost_table", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m instruments.cost_table", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=str(GOLDEN / "target"))
     p.add_argument("--draft", default=str(GOLDEN / "eagle3"))
     p.add_argument("--prompts-npz", default=str(GOLDEN / "reference.npz"))

@@ -9,7 +9,7 @@ tokens/s), cycles (``idx + 1`` from ``log=True``), tau = new tokens / cycles and
 c = (speculative seconds / cycles) / (plain seconds / plain tokens) - 1. It also checks the greedy outputs against
 ``reference.npz``: the official run of the same head and envelope where the file has one, and plain greedy decoding.
 
-    python infer/official_timing.py --eagle-repo DIR --target tests/golden/target --draft tests/golden/eagle3
+    python instruments/official_timing.py --eagle-repo DIR --target tests/golden/target --draft tests/golden/eagle3
         --prompts-npz tests/golden/reference.npz [--max-new-tokens 64] [--envelopes 60/7/10,16/4/4] [--repeats 3]
         [--kind auto|eagle3|eagle1] [--threads 2] [--json OUT]
 
@@ -24,7 +24,7 @@ Make a Python 3.11 venv with ``pip install torch==2.13.0 transformers==4.53.3`` 
 numpy, safetensors, tokenizers and huggingface_hub, which is all ``eagle/model`` needs on CPU; the official code does
 not import under transformers 5). Then run this file with that venv's python, from the repository root:
 
-    VENV/bin/python infer/official_timing.py --eagle-repo /work/scratch/EAGLE --target tests/golden/target
+    VENV/bin/python instruments/official_timing.py --eagle-repo /work/scratch/EAGLE --target tests/golden/target
         --draft tests/golden/eagle3 --prompts-npz tests/golden/reference.npz --json official.json
 """
 
@@ -40,7 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# Run as a file, this folder is first on sys.path, where infer/profile.py would shadow the standard library's
+# Run as a file, this folder is first on sys.path, where instruments/profile.py would shadow the standard library's
 # `profile` (torch imports it through cProfile).
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)

@@ -1,6 +1,6 @@
 """Estimated speculative decoding speed on TPUs, without a TPU: compiler cost counts and a roofline.
 
-    python -m infer.tpu_estimate [--setup llama3.1-8b-eagle3@v6e-1 --setup llama3.3-70b-eagle3@v6e-8]
+    python -m instruments.tpu_estimate [--setup llama3.1-8b-eagle3@v6e-1 --setup llama3.3-70b-eagle3@v6e-8]
         [--trees 60/7/10,16/4/4,5/4/1] [--batch 1] [--context 1024] [--cpu] [--json OUT]
 
 For each setup (a preset's target + head, bf16, abstract weights: nothing is allocated) one speculative
@@ -119,7 +119,7 @@ def devices_for(slice_: str, use_tpu: bool) -> tuple[list, str]:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = command.ArgumentParser(prog="python -m infer.tpu_estimate", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m instruments.tpu_estimate", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--setup", action="append", help="PRESET@SLICE, repeatable (default: " + ", ".join(DEFAULT_SETUPS) + ")"
     )

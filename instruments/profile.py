@@ -1,6 +1,6 @@
 """Where a speculative cycle spends its time, next to a plain decode step, on the machine at hand.
 
-    python -m infer.profile [--target DIR --draft DIR] [--total-tokens 60 --depth 7 --tree-top-k 10 | --tree T]
+    python -m instruments.profile [--target DIR --draft DIR] [--total-tokens 60 --depth 7 --tree-top-k 10 | --tree T]
         [--context K] [--batch 1] [--prompt-len 64] [--new-tokens 128] [--widths 1,2,4,8,16,32,64]
         [--dtype fp32] [--json OUT]
 
@@ -201,7 +201,7 @@ def parse_widths(text: str) -> tuple[int, ...]:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    p = command.ArgumentParser(prog="python -m infer.profile", description=__doc__.split("\n\n")[0])
+    p = command.ArgumentParser(prog="python -m instruments.profile", description=__doc__.split("\n\n")[0])
     p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
     p.add_argument("--draft", help="store or official EAGLE head folder (default: the target store's, or the demo's)")
     p.add_argument("--total-tokens", type=int, default=60)

@@ -1,0 +1,317 @@
+"""What `infer.generate` does with its flags, as steps the command calls: the settings, the models, one generation
+through `programs.generate` (one device or a mesh, streaming or not), its report, the speedup against plain decoding."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+
+from cli import command, envelope, presets
+from eagle_jax.decoding import programs, schedule
+from eagle_jax.decoding.budget import MARGIN
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.speculative import SpecResult
+from eagle_jax.decoding.tree import (
+    PLAIN,
+    DynamicTree,
+    NoDraft,
+    TreeConfig,
+    check_fits,
+    envelope_json,
+    envelope_name,
+    parse_static,
+)
+from eagle_jax.errors import EagleError
+from eagle_jax.io import loading
+from eagle_jax.models.config import DraftConfig, TargetConfig
+
+DEFAULT_MAX_NEW_TOKENS = 256
+CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns do not recompile)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    tree: TreeConfig  # PLAIN: plain decoding (with auto_tree: none chosen yet)
+    auto_tree: bool  # no tree given: the envelope measured fastest here for the batch (`cli.envelope`)
+    sampling: SamplingConfig
+    max_new_tokens: int
+    seed: int
+    max_len: int | None
+    stream: bool
+    warmup: bool
+
+
+def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig | None:
+    """--tree (static) or --total-tokens/--depth/--tree-top-k over the preset's tree (else upstream's 60 / 7 / 10),
+    with --context K candidates from the context grafted on; --context alone: those candidates only; None when
+    no tree is given at all (the budget chooses)."""
+    dynamic = {
+        k: v
+        for k, v in (("total_tokens", a.total_tokens), ("depth", a.depth), ("top_k", a.tree_top_k))
+        if v is not None
+    }
+    context = {} if a.context is None else {"context": a.context}
+    if a.draft == presets.CONTEXT_DRAFT and (dynamic or a.tree is not None):
+        raise EagleError("--draft context has no head to grow a tree: give --context K alone (or nothing)")
+    if a.tree is not None:
+        if dynamic:
+            raise EagleError("--tree (a static tree) cannot be combined with --total-tokens/--depth/--tree-top-k")
+        with command.flag("--tree"):
+            return dataclasses.replace(parse_static(a.tree), **context)
+    if not dynamic:
+        if context and not a.auto_budget:
+            return NoDraft(**context)
+        if preset is None or a.auto_budget or a.draft == presets.CONTEXT_DRAFT:
+            return None
+        return preset.tree
+    base = preset.tree if preset is not None else DynamicTree()
+    return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic, **context)
+
+
+def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> Settings:
+    gen = dict(preset.generation) if preset else {}
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(a, name)
+        return value if value is not None else gen.get(name, default)
+
+    sampling = SamplingConfig(pick("temperature", 0.0), pick("top_p", 1.0), pick("top_k", 0))
+    max_new = pick("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    if max_new < 1:
+        raise EagleError(f"--max-new-tokens {max_new} must be >= 1")
+    if a.max_len is not None and a.max_len < 2:
+        raise EagleError(f"--max-len {a.max_len} must be >= 2")
+    tree = PLAIN if a.no_spec else tree_config(a, preset)
+    return Settings(tree or PLAIN, tree is None, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
+
+
+@dataclasses.dataclass(frozen=True)
+class Models:
+    tcfg: TargetConfig
+    tparams: dict
+    dcfg: DraftConfig | None
+    dparams: dict | None
+    target_dir: Path
+    draft_dir: Path | None
+    mesh: Mesh | None  # parameters sharded over it (generation runs the mesh programs), else one device
+
+
+def load_models(target_dir: Path, draft_dir: Path | None, kind: str | None, dtype, mesh: Mesh | None) -> Models:
+    """Target and head on the mesh (or the default device); the head in the target's floating dtype."""
+    tcfg, tparams = loading.load_target(target_dir, dtype, mesh)
+    if mesh is None:
+        tparams = jax.device_put(tparams)
+    if draft_dir is None:
+        return Models(tcfg, tparams, None, None, target_dir, None, mesh)
+    dcfg, dparams = loading.load_draft(draft_dir, tcfg, kind, tparams["embed"].dtype, mesh)
+    if mesh is None:
+        dparams = jax.device_put(dparams)
+    return Models(tcfg, tparams, dcfg, dparams, target_dir, draft_dir, mesh)
+
+
+def check_settings_fit(s: Settings, m: Models) -> None:
+    """Refuse a --max-len past the target's positions, or a tree wider than the head's draft vocabulary."""
+    positions = m.tcfg.rope.max_position_embeddings
+    if s.max_len is not None and s.max_len > positions:
+        raise EagleError(
+            f"--max-len {s.max_len} exceeds the target's {positions} positions (max_position_embeddings); "
+            f"use at most {positions}"
+        )
+    if m.dcfg is not None:
+        check_fits(s.tree, m.dcfg.draft_vocab_size)
+    if s.tree.needs_head and m.dcfg is None:
+        raise EagleError(f"the tree {envelope_name(s.tree)} grows from a draft head: give --draft DIR")
+
+
+def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[Path, Path | None]:
+    """(target, draft or None): as `presets.model_dirs`; no draft with --no-spec."""
+    if a.no_spec:
+        return presets.target_folder(a.target, preset, a.models), None
+    return presets.model_dirs(a.target, a.draft, preset, a.models, ", or --no-spec for plain decoding")
+
+
+def load_tokenizer(target_dir: Path, chat_template: str | None):
+    """The target's tokenizer (from a store's tokenizer/ folder, the HF directory or a GGUF file)."""
+    with command.flag("--target", "use --prompt-ids"):
+        return loading.load_tokenizer(target_dir, chat_template)
+
+
+def resolve_tree(
+    m: Models, s: Settings, batch: int, tok, recalibrate: bool, prompts: list[list[int]] | None = None
+) -> Settings:
+    """The settings with the envelope measured fastest for `batch` rows on this machine when none was given
+    (plain decoding when no envelope wins); calibrates on MT-bench first turns, or `prompts` without a tokenizer."""
+    if not s.auto_tree:
+        return s
+    calibration = envelope.calibration_prompts(tok) if tok is not None else prompts
+    tree = envelope.default_tree(
+        (m.tcfg, m.tparams, m.dcfg, m.dparams),
+        (m.target_dir, m.draft_dir),
+        batch,
+        calibration,
+        recalibrate,
+        log=lambda msg: print(msg, file=sys.stderr, flush=True),
+    )
+    name = f"envelope {envelope_name(tree)}" if tree.drafts else "plain decoding (no envelope beats it here)"
+    print(f"batch {batch}: {name}", file=sys.stderr, flush=True)
+    return dataclasses.replace(s, tree=tree, auto_tree=False)
+
+
+def pair_name(m: Models, tree: TreeConfig) -> str:
+    """What decodes: the target, and the drafts its tree takes (the head's, the context's), or plain decoding."""
+    if not tree.drafts:
+        return f"{m.target_dir.name}, plain decoding"
+    sources = ([f"its {m.dcfg.kind.upper()} head"] if tree.needs_head else []) + (
+        ["drafts from the context"] if tree.context else []
+    )
+    return f"{m.target_dir.name} + {' and '.join(sources)} ({envelope_name(tree)})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    result: SpecResult  # tokens, accept lengths (0 per token for plain decoding), stop reasons
+    prompt_lengths: list[int]
+    max_new_tokens: int  # after clamping to the cache
+    capacity: int
+    seconds: float
+
+
+def run_generation(
+    m: Models,
+    prompts: list[list[int]],
+    s: Settings,
+    on_new: Callable[[list[list[int]]], None] | None,
+    capacity: int | None = None,
+) -> Outcome:
+    """Generate for every prompt; `on_new(new tokens per row)` is called as cycles are accepted (once at the end
+    on a mesh or without streaming)."""
+    with command.hint("raise --max-len or shorten the prompt"):
+        p = schedule.plan(
+            [len(x) for x in prompts],
+            s.max_new_tokens,
+            s.tree.cache_overhead,
+            capacity or s.max_len,
+            m.tcfg.rope.max_position_embeddings,
+        )
+    streamed = s.stream and m.mesh is None
+    t0 = time.perf_counter()
+    result = programs.generate(
+        m.tparams,
+        m.tcfg,
+        m.dparams,
+        m.dcfg,
+        prompts,
+        s.max_new_tokens,
+        m.mesh,
+        s.tree,
+        s.sampling,
+        s.seed,
+        p.capacity,
+        on_new if streamed else None,
+    )
+    if on_new is not None and not streamed:
+        on_new(result.tokens)
+    return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
+
+
+def generate_timed(m: Models, prompts: list[list[int]], s: Settings, on_new, capacity: int | None = None) -> Outcome:
+    """`run_generation`, after one untimed run when --warmup is set (so tokens/s excludes compilation)."""
+    if s.warmup:
+        run_generation(m, prompts, s, None, capacity)
+    return run_generation(m, prompts, s, on_new, capacity)
+
+
+def stats_line(o: Outcome, spec: bool) -> str:
+    r = o.result
+    speed = f"{sum(r.new_tokens) / o.seconds:.1f} tokens/s" if o.seconds > 0 else "n/a tokens/s"
+    if not spec:
+        return f"[{sum(r.new_tokens)} new tokens, plain decoding, {speed}, {o.seconds:.2f} s]"
+    return f"[{sum(r.new_tokens)} new tokens, {sum(r.cycles)} cycles, tau {r.tau:.2f}, {speed}, {o.seconds:.2f} s]"
+
+
+def show_rows(o: Outcome, tok) -> None:
+    for row, tokens in enumerate(o.result.tokens):
+        shown = tok.decode(tokens, skip_special_tokens=True) if tok is not None else " ".join(map(str, tokens))
+        print(f"[{row}] {shown}" if len(o.result.tokens) > 1 else shown)
+
+
+def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argparse.Namespace) -> dict:
+    """The --json document: the contract fields first, then statistics and settings."""
+    r = o.result
+    new, cycles = sum(r.new_tokens), sum(r.cycles)
+    max_accept = s.tree.max_accept
+    return {
+        "output_ids": r.tokens,
+        "accept_lengths": r.accept_lengths,
+        "cycles": cycles,
+        "new_tokens": new,
+        "tau": new / max(cycles, 1),
+        "rows": [
+            {"prompt_tokens": p, "new_tokens": n, "cycles": c, "tau": n / max(c, 1), "stop_reason": why}
+            for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)
+        ],
+        "accept_histogram": r.accept_histogram(max_accept),
+        "n_alpha": r.n_alpha(max_accept) if s.tree.drafts else [],
+        "prompt_ids": prompts,
+        "seconds": o.seconds,
+        "tokens_per_s": new / o.seconds if o.seconds > 0 else None,
+        "settings": {
+            "target": str(m.target_dir),
+            "draft": str(m.draft_dir) if m.draft_dir else None,
+            "draft_kind": m.dcfg.kind if m.dcfg else None,
+            "speculative": s.tree.drafts,
+            "tree": envelope_json(s.tree),
+            "sampling": dataclasses.asdict(s.sampling),
+            "seed": s.seed,
+            "max_new_tokens": o.max_new_tokens,
+            "cache_capacity": o.capacity,
+            "dtype": str(m.tparams["embed"].dtype),
+            "mesh": a.mesh,
+            "devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+            "stream": s.stream,
+            "warmup": s.warmup,
+        },
+    }
+
+
+def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, tok) -> dict:
+    """Time speculative and plain decoding of the prompts (on-device loops, after warm-up); print the plain
+    answer and the speedup. Returns the figures for --json."""
+    timed = dataclasses.replace(s, stream=False, warmup=True)
+    if not s.tree.drafts:  # nothing to compare: plain decoding against itself would call noise a speedup
+        print(
+            "[speculation not used: no draft envelope beat plain decoding by "
+            f"{MARGIN:.0%} on this machine (its measured budget); the answer above is plain decoding's]",
+            file=sys.stderr,
+            flush=True,
+        )
+        return {"speculative": False}
+    spec = generate_timed(m, prompts, timed, None, shown.capacity)
+    base = generate_timed(m, prompts, dataclasses.replace(timed, tree=PLAIN), None, shown.capacity)
+    print("\nThe same with the target alone (plain decoding):")
+    show_rows(base, tok)
+    rate = lambda o: sum(o.result.new_tokens) / o.seconds  # noqa: E731
+    same = spec.result.tokens == base.result.tokens
+    verdict = ("outputs identical" if same else "OUTPUTS DIFFER") if s.sampling.greedy else "sampled outputs"
+    print(
+        f"[speculative {rate(spec):.1f} tokens/s (tau {spec.result.tau:.2f}), plain {rate(base):.1f} tokens/s: "
+        f"speedup {rate(spec) / rate(base):.2f}x; {verdict}]",
+        file=sys.stderr,
+        flush=True,
+    )
+    return {
+        "tokens_per_s_spec": rate(spec),
+        "tokens_per_s_plain": rate(base),
+        "speedup": rate(spec) / rate(base),
+        "tau": spec.result.tau,
+        "identical": same,
+        "plain_output_ids": base.result.tokens,
+    }
