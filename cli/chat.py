@@ -8,6 +8,7 @@ import sys
 from cli import command
 from cli.generation import CHAT_MAX_LEN, Models, Settings, pair_name
 from eagle_jax.decoding import session
+from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.io import loading
 
 
@@ -37,7 +38,13 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
     prefills only its new tokens, and after the start-up warm-up nothing compiles. The oldest turns are
     dropped when the conversation outgrows the cache."""
     capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
-    talk = session.Session(m.tparams, m.tcfg, m.dparams, m.dcfg, s.tree, s.sampling, capacity, mesh=m.mesh)
+    talk = session.Session(
+        m.tparams,
+        m.dparams,
+        DecodeConfig(m.tcfg, m.dcfg, s.tree, s.sampling),
+        capacity=capacity,
+        mesh=m.mesh,
+    )
     interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 read as U+FFFD, not a crash

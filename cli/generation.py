@@ -18,7 +18,7 @@ from cli import command, envelope, presets
 from eagle_jax.decoding import programs, schedule
 from eagle_jax.decoding.budget import MARGIN
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.speculative import SpecResult
+from eagle_jax.decoding.speculative import DecodeConfig, SpecResult
 from eagle_jax.decoding.tree import (
     PLAIN,
     DynamicTree,
@@ -205,17 +205,14 @@ def run_generation(
     t0 = time.perf_counter()
     result = programs.generate(
         m.tparams,
-        m.tcfg,
         m.dparams,
-        m.dcfg,
         prompts,
         s.max_new_tokens,
+        DecodeConfig(m.tcfg, m.dcfg, s.tree, s.sampling),
         m.mesh,
-        s.tree,
-        s.sampling,
-        s.seed,
-        p.capacity,
-        on_new if streamed else None,
+        seed=s.seed,
+        capacity=p.capacity,
+        on_new=on_new if streamed else None,
     )
     if on_new is not None and not streamed:
         on_new(result.tokens)

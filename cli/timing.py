@@ -81,12 +81,9 @@ class Runner:
             self.tcfg.pad_token_id or 0,
         )
 
-    def _head(self, tree: TreeConfig) -> tuple:
-        """(dparams, dcfg) a run with `tree` takes (`speculative.head_for`)."""
-        return speculative.head_for(tree, self.dparams, self.dcfg)
-
-    def _static(self, tree: TreeConfig) -> dict:
-        return dict(tcfg=self.tcfg, dcfg=self._head(tree)[1], tree=tree, sampling=self.sampling)
+    def _settings(self, tree: TreeConfig) -> tuple[speculative.DecodeConfig, dict | None]:
+        """The settings and head a run with `tree` takes (`speculative.head_for`)."""
+        return speculative.head_for(speculative.DecodeConfig(self.tcfg, self.dcfg, tree, self.sampling), self.dparams)
 
     def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
         return self._run(PLAIN, prompts, max_new_tokens)
@@ -97,14 +94,14 @@ class Runner:
     def _run(self, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int | None) -> dict:
         """Prefill, then the generation loop with `tree`, each timed (in the speculative side's cache layout)."""
         p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
-        head, static = self._head(tree)[0], self._static(tree)
+        cfg, head = self._settings(tree)
         key = jax.random.key(self.seed)
         t0 = time.perf_counter()
         state = jax.block_until_ready(
-            speculative.prefill(self.tparams, head, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
+            speculative.prefill(self.tparams, head, p.tokens, p.lengths, p.limits, key, cfg=cfg, capacity=p.capacity)
         )
         t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(self.tparams, head, state, **static))
+        state = jax.block_until_ready(speculative.run(self.tparams, head, state, cfg=cfg))
         t2 = time.perf_counter()
         res = speculative.result(state)
         return {
@@ -130,11 +127,11 @@ class Runner:
         key, few = jax.random.key(self.seed), p.limits * 0 + 2  # a cycle or two in each span
         for span in schedule.all_spans(p.capacity):  # fresh states: the loops consume (donate) theirs
             for tree in dict.fromkeys((PLAIN, self.tree)):
-                head, static = self._head(tree)[0], self._static(tree)
+                cfg, head = self._settings(tree)
                 state = speculative.prefill(
-                    self.tparams, head, p.tokens, p.lengths, few, key, capacity=p.capacity, **static
+                    self.tparams, head, p.tokens, p.lengths, few, key, cfg=cfg, capacity=p.capacity
                 )
-                jax.block_until_ready(speculative.run_span(self.tparams, head, state, span=span, **static))
+                jax.block_until_ready(speculative.run_span(self.tparams, head, state, cfg=cfg, span=span))
         self._warm.add(shape)
 
 

@@ -51,16 +51,16 @@ def bench_batch(
     prompts = rng.integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
     p = schedule.prepare(prompts, new_tokens)
     tokens, lengths, limits, capacity = p.tokens, p.lengths, p.limits, p.capacity
-    static = dict(tcfg=cfg, dcfg=None, tree=PLAIN, sampling=SamplingConfig())
+    plain = speculative.DecodeConfig(cfg, None, PLAIN, SamplingConfig())
     key = jax.random.key(0)
     prefill_s, decode_s, decoded = [], [], 0
     for run in range(repeats + 1):
         t0 = time.perf_counter()
         state = jax.block_until_ready(
-            speculative.prefill(params, None, tokens, lengths, limits, key, capacity=capacity, **static)
+            speculative.prefill(params, None, tokens, lengths, limits, key, cfg=plain, capacity=capacity)
         )
         t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(params, None, state, **static))
+        state = jax.block_until_ready(speculative.run(params, None, state, cfg=plain))
         t2 = time.perf_counter()
         if run:  # run 0 compiles
             prefill_s.append(t1 - t0)

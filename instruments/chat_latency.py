@@ -51,7 +51,7 @@ def measure(models, tok, tree, turns: int, max_new: int, capacity: int) -> dict:
     monitoring.register_event_duration_secs_listener(
         lambda name, secs, **kw: compiles.append(name) if name == COMPILE_EVENT else None
     )
-    talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=capacity)
+    talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=capacity)
     warm_up_s = talk.warm_up()
     history: list[dict[str, str]] = []
     rows = []
@@ -68,7 +68,9 @@ def measure(models, tok, tree, turns: int, max_new: int, capacity: int) -> dict:
         t = talk.last
         history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
         scratch = _timed(
-            lambda p=prompt: speculative.generate(tparams, tcfg, dparams, dcfg, [p], max_new, tree, capacity=capacity)
+            lambda p=prompt: speculative.generate(
+                tparams, dparams, [p], max_new, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=capacity
+            )
         )
         rows.append(
             {

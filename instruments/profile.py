@@ -104,25 +104,25 @@ def profile(
     tcfg, tparams, dcfg, dparams = models
     rng = np.random.default_rng(0)
     prompts = rng.integers(3, tcfg.vocab_size, (batch, prompt_len)).tolist()
-    p = speculative.prepare(prompts, new_tokens, tree, tcfg)
+    sides = {  # (settings, head parameters)
+        "spec": (speculative.DecodeConfig(tcfg, dcfg, tree, SAMPLING), dparams),
+        "plain": (speculative.DecodeConfig(tcfg, None, PLAIN, SAMPLING), None),
+    }
+    p = speculative.prepare(prompts, new_tokens, sides["spec"][0])
     span = schedule.attention_span(prompt_len + new_tokens + tree.cache_overhead, p.capacity)
     key = jax.random.key(0)
-    sides = {  # (head parameters, static settings)
-        "spec": (dparams, dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=SAMPLING)),
-        "plain": (None, dict(tcfg=tcfg, dcfg=None, tree=PLAIN, sampling=SAMPLING)),
-    }
 
     def state_of(side: str):
-        head, static = sides[side]
-        return speculative.prefill(tparams, head, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
+        cfg, head = sides[side]
+        return speculative.prefill(tparams, head, p.tokens, p.lengths, p.limits, key, cfg=cfg, capacity=p.capacity)
 
     def run(side: str, state=None):
-        head, static = sides[side]
-        return speculative.run_span(tparams, head, state or state_of(side), span=span, **static)
+        cfg, head = sides[side]
+        return speculative.run_span(tparams, head, state or state_of(side), cfg=cfg, span=span)
 
     def compiled(side: str):
-        head, static = sides[side]
-        return speculative.run_span.lower(tparams, head, state_of(side), span=span, **static).compile()
+        cfg, head = sides[side]
+        return speculative.run_span.lower(tparams, head, state_of(side), cfg=cfg, span=span).compile()
 
     def timed(side: str) -> tuple[float, int, int]:
         """(seconds per cycle, cycles, tokens emitted) of a run to the end of the span."""

@@ -227,7 +227,7 @@ def test_demo_pair_lossless():
         DynamicTree(total_tokens=5, depth=3, top_k=1),
         DynamicTree(total_tokens=16, depth=4, top_k=4),
     ):  # the demo's chain, a tree
-        spec = speculative.generate(tparams, tcfg, dparams, dcfg, [ids], 64, tree)
+        spec = speculative.generate(tparams, dparams, [ids], 64, speculative.DecodeConfig(tcfg, dcfg, tree))
         assert spec.tokens[0] == plain.tokens[0]
         assert spec.tau > 2.0  # the trained head gets most drafts accepted
 
@@ -350,11 +350,11 @@ def _compiled_cycle(golden_dir, golden_target, tree):
 
     tcfg, tparams = golden_target
     dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg) if tree.needs_head else (None, None)
-    p = speculative.prepare([[5, 6, 7, 8, 9, 10]], 16, tree, tcfg)
-    static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=SamplingConfig())
+    cfg = speculative.DecodeConfig(tcfg, dcfg, tree, SamplingConfig())
+    p = speculative.prepare([[5, 6, 7, 8, 9, 10]], 16, cfg)
     key = jax.random.key(0)
-    state = speculative.prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, capacity=p.capacity, **static)
-    compiled = speculative.run_span.lower(tparams, dparams, state, span=p.capacity, **static).compile()
+    state = speculative.prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, cfg=cfg, capacity=p.capacity)
+    compiled = speculative.run_span.lower(tparams, dparams, state, cfg=cfg, span=p.capacity).compile()
     return compiled, "f32[" + ",".join(map(str, state.target_cache.k.shape)) + "]"
 
 

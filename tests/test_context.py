@@ -121,7 +121,7 @@ def test_greedy_with_context_drafts_equals_plain(tree, head, batch, pair):
     if not head:
         dcfg = dparams = None
     prompts = _prompts(batch, tcfg.vocab_size)
-    res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 32, tree)
+    res = speculative.generate(tparams, dparams, prompts, 32, speculative.DecodeConfig(tcfg, dcfg, tree))
     assert res.tokens == plain_generate(tparams, tcfg, prompts, 32).tokens
     assert res.tau > 1.2, res.tau
     assert all(0 <= a <= tree.max_accept for row in res.accept_lengths for a in row)
@@ -144,7 +144,7 @@ def test_a_context_cycle_has_a_narrow_branch_for_rows_without_candidates(monkeyp
     for tree, head in ((NoDraft(context=5, min_match=4), False), (DynamicTree(5, 4, 1, context=5), True)):
         widths.clear()
         models = (dparams, dcfg) if head else (None, None)
-        streamed = speculative.stream(tparams, tcfg, models[0], models[1], prompts, 6, tree)
+        streamed = speculative.stream(tparams, models[0], prompts, 6, speculative.DecodeConfig(tcfg, models[1], tree))
         assert [t for new, _, _ in streamed for t in new[0]] == ref[0]
         assert sorted(set(widths)) == [tree.head_nodes, tree.num_nodes]
     jax.clear_caches()  # no spied program outlives this test
@@ -155,9 +155,13 @@ def test_chat_turns_with_context_drafts_equal_plain_turns(pair):
     answer three turns as a plain session does; the second turn copies from the first."""
     tcfg, tparams, dcfg, dparams = pair
     sessions = {
-        "plain": session.Session(tparams, tcfg, capacity=256),
-        "context": session.Session(tparams, tcfg, tree=NoDraft(context=6, min_match=1), capacity=256),
-        "both": session.Session(tparams, tcfg, dparams, dcfg, DynamicTree(4, 3, 1, context=5), capacity=256),
+        "plain": session.Session(tparams, None, speculative.DecodeConfig(tcfg), capacity=256),
+        "context": session.Session(
+            tparams, None, speculative.DecodeConfig(tcfg, None, NoDraft(context=6, min_match=1)), capacity=256
+        ),
+        "both": session.Session(
+            tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(4, 3, 1, context=5)), capacity=256
+        ),
     }
     answers = {name: [] for name in sessions}
     taus = []
@@ -177,4 +181,4 @@ def test_chat_turns_with_context_drafts_equal_plain_turns(pair):
 def test_a_session_refuses_a_head_tree_without_a_head(pair):
     tcfg, tparams, _, _ = pair
     with pytest.raises(EagleError, match="draft head"):
-        session.Session(tparams, tcfg, tree=DynamicTree(5, 4, 1), capacity=64)
+        session.Session(tparams, None, speculative.DecodeConfig(tcfg, None, DynamicTree(5, 4, 1)), capacity=64)

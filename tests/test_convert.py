@@ -157,7 +157,7 @@ def _streamed(tparams, tcfg, dparams, dcfg, prompt: list[int], n: int) -> tuple[
     """(tokens, accept lengths) of a streamed generation (the compiles test_engine's parity tests share)."""
     tokens, accepts = [], []
     for new, _, state in speculative.stream(
-        tparams, tcfg, dparams, dcfg, [prompt], n, DynamicTree(16, 4, 4), capacity=256
+        tparams, dparams, [prompt], n, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(16, 4, 4)), capacity=256
     ):
         tokens += new[0]
         accepts.append(int(state.accept_lengths[len(accepts), 0]))

@@ -13,7 +13,7 @@ from tiny import FAMILIES, plain_generate, tiny_draft, tiny_target, with_eos
 from eagle_jax.decoding import speculative
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, StaticTree
+from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
 from eagle_jax.io import loading
 from eagle_jax.models import kv_cache
 
@@ -53,7 +53,9 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
     prompts = [reference[f"p{i}.input_ids"].tolist() for i in range(4)]
     tokens = [[] for _ in prompts]
     acc = [[] for _ in prompts]
-    for c, (new, tr, state) in enumerate(speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 64, spec)):
+    for c, (new, tr, state) in enumerate(
+        speculative.stream(tparams, dparams, prompts, 64, speculative.DecodeConfig(tcfg, dcfg, spec))
+    ):
         paths = leaf_paths(tr)
         for i in range(4):
             if not new[i]:
@@ -86,8 +88,8 @@ def test_while_loop_equals_stream(heads, golden_target, reference):
     dcfg, dparams = heads["eagle3"]
     spec = SETTINGS["t16_d4_k4"]
     prompt = reference["p2.input_ids"].tolist()
-    res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 40, spec)
-    streamed = list(speculative.stream(tparams, tcfg, dparams, dcfg, [prompt], 40, spec))
+    res = speculative.generate(tparams, dparams, [prompt], 40, speculative.DecodeConfig(tcfg, dcfg, spec))
+    streamed = list(speculative.stream(tparams, dparams, [prompt], 40, speculative.DecodeConfig(tcfg, dcfg, spec)))
     assert res.tokens[0] == [t for new, _, _ in streamed for t in new[0]]
     assert len(res.tokens[0]) == 40
     assert res.cycles == [len(streamed)]
@@ -129,7 +131,7 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
     dcfg, dparams = tiny_draft(kind, tcfg, seed=seed + 1, draft_vocab=32 if kind == "eagle3" else None)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, 48, size=n).tolist() for n in (9, 3, 1, 17)][:batch]
-    res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 24, envelope)
+    res = speculative.generate(tparams, dparams, prompts, 24, speculative.DecodeConfig(tcfg, dcfg, envelope))
     assert res.tokens == _plain(tparams, tcfg, prompts, 24)
     assert all(0 <= a <= envelope.max_depth for row in res.accept_lengths for a in row)
     assert sum(a for row in res.accept_lengths for a in row) > 0  # some drafts were accepted
@@ -151,21 +153,23 @@ def test_growing_attention_spans_are_lossless(monkeypatch):
     assert sorted(set(traced)) == [32, 128, 256, 384]
     traced.clear()
     tree = DynamicTree(8, 4, 2)
-    assert speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 300, tree).tokens == want
+    assert (
+        speculative.generate(tparams, dparams, prompts, 300, speculative.DecodeConfig(tcfg, dcfg, tree)).tokens == want
+    )
     assert sorted(set(traced)) == [32, 128, 256, 384]
     traced.clear()
     streamed = [[] for _ in prompts]
-    for new, _, _ in speculative.stream(tparams, tcfg, dparams, dcfg, prompts, 300, tree):
+    for new, _, _ in speculative.stream(tparams, dparams, prompts, 300, speculative.DecodeConfig(tcfg, dcfg, tree)):
         for row, toks in zip(streamed, new):
             row.extend(toks)
     assert streamed == want
     assert sorted(set(traced)) == [128, 256, 384]  # the streamed cycle (prefill compiled already)
-    p = speculative.prepare(prompts, 300, PLAIN, tcfg)
-    static = dict(tcfg=tcfg, dcfg=None, tree=PLAIN, sampling=SamplingConfig())
+    cfg = speculative.DecodeConfig(tcfg)
+    p = speculative.prepare(prompts, 300, cfg)
     state = speculative.prefill(
-        tparams, None, p.tokens, p.lengths, p.limits, jax.random.key(0), capacity=p.capacity, **static
+        tparams, None, p.tokens, p.lengths, p.limits, jax.random.key(0), cfg=cfg, capacity=p.capacity
     )
-    whole = speculative.run_span(tparams, None, state, **static)
+    whole = speculative.run_span(tparams, None, state, cfg=cfg)
     assert [np.asarray(whole.out)[r, :300].tolist() for r in range(2)] == want
 
 
@@ -181,7 +185,9 @@ def test_bf16_engine_equals_bf16_plain(heads, golden_target, reference):
     tparams, dparams = bf16(tparams), bf16(dparams)
     prompts = [reference[f"p{i}.input_ids"].tolist() for i in range(4)]
     want = plain_generate(tparams, tcfg, prompts, 32).tokens
-    res = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 32, DynamicTree(16, 4, 4))
+    res = speculative.generate(
+        tparams, dparams, prompts, 32, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(16, 4, 4))
+    )
     assert res.tokens == want and res.tau > 2
     from eagle_jax.models import target
 
@@ -207,7 +213,9 @@ def test_eos_and_budget_per_row():
     tcfg_eos = with_eos(tcfg, (eos,))
     expected = _plain(tparams, tcfg_eos, prompts, 30)
     assert expected[0][-1] == eos and len(expected[0]) <= 8
-    res = speculative.generate(tparams, tcfg_eos, dparams, dcfg, prompts, 30, DynamicTree(16, 4, 4))
+    res = speculative.generate(
+        tparams, dparams, prompts, 30, speculative.DecodeConfig(tcfg_eos, dcfg, DynamicTree(16, 4, 4))
+    )
     assert res.tokens == expected
     assert res.stop_reasons[0] == "eos"
 
@@ -270,7 +278,14 @@ def test_sampling_lossless():
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=12, draft_vocab=6)
     prompt = [1, 4, 2]
     exact = _exact_joint(tparams, tcfg, prompt, sc, n_tok)
-    res = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt] * n_rows, n_tok, DynamicTree(8, 3, 3), sc, seed=5)
+    res = speculative.generate(
+        tparams,
+        dparams,
+        [prompt] * n_rows,
+        n_tok,
+        speculative.DecodeConfig(tcfg, dcfg, DynamicTree(8, 3, 3), sc),
+        seed=5,
+    )
     assert sum(a > 0 for row in res.accept_lengths for a in row) > n_rows // 4  # drafts do get accepted
     counts = _joint_counts(res.tokens, vocab, n_tok)
     assert _chi2_pvalue(counts, exact) > 1e-3
@@ -378,7 +393,9 @@ def _streamed_sample(models, tree, sc, rows: int, seed: int):
     """(tokens [R, NEW], per-cycle (tree tokens, tree parents, tokens emitted before)) of a streamed run."""
     tcfg, tparams, dcfg, dparams = models
     tokens, cycles = [[] for _ in range(rows)], []
-    for new, tr, _ in speculative.stream(tparams, tcfg, dparams, dcfg, _prompts(rows), NEW, tree, sc, seed=seed):
+    for new, tr, _ in speculative.stream(
+        tparams, dparams, _prompts(rows), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed=seed
+    ):
         cycles.append((np.asarray(tr.tokens), np.asarray(tr.parents), np.array([len(t) for t in tokens])))
         for row, toks in zip(tokens, new):
             row.extend(toks)
@@ -448,7 +465,9 @@ def test_seeds_reproduce_samples():
     tcfg, tparams, dcfg, dparams = models = _sampling_models(kind)
 
     def looped(seed: int) -> list[list[int]]:
-        return speculative.generate(tparams, tcfg, dparams, dcfg, _prompts(6), NEW, tree, sc, seed=seed).tokens
+        return speculative.generate(
+            tparams, dparams, _prompts(6), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed=seed
+        ).tokens
 
     assert looped(21) == looped(21) == _streamed_sample(models, tree, sc, 6, 21)[0].tolist()
     assert looped(22) != looped(21)
@@ -459,7 +478,7 @@ def test_no_compile_after_warmup(heads, golden_target):
     tcfg, tparams = golden_target
     dcfg, dparams = heads["eagle3"]
     spec = DynamicTree(16, 4, 4)
-    speculative.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3]], 20, spec)
+    speculative.generate(tparams, dparams, [[1, 5, 9, 3]], 20, speculative.DecodeConfig(tcfg, dcfg, spec))
     before = (speculative.prefill._cache_size(), speculative.run_span._cache_size())
-    speculative.generate(tparams, tcfg, dparams, dcfg, [[1, 5, 9, 3, 7, 8, 11]], 40, spec)
+    speculative.generate(tparams, dparams, [[1, 5, 9, 3, 7, 8, 11]], 40, speculative.DecodeConfig(tcfg, dcfg, spec))
     assert (speculative.prefill._cache_size(), speculative.run_span._cache_size()) == before

@@ -83,11 +83,15 @@ def test_turns_equal_decoding_from_scratch(pair, tree):
     """Each turn's answer equals generating the whole conversation from scratch, while the caches keep all
     but the last token of what they already held (the earlier prompts and answers)."""
     tparams, tcfg, dparams, dcfg = pair
-    talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=CAPACITY, chunks=(64, 16))
+    talk = session.Session(
+        tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=CAPACITY, chunks=(64, 16)
+    )
     prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
     for prompt, answer, accepted in zip(prompts, answers, accepts):
         # the head drafts from the same context too: the same cycles accept the same drafts
-        expected = speculative.generate(tparams, tcfg, dparams, dcfg, [prompt], 20, tree, capacity=CAPACITY)
+        expected = speculative.generate(
+            tparams, dparams, [prompt], 20, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=CAPACITY
+        )
         assert answer == expected.tokens[0] and accepted == expected.accept_lengths[0]
     assert kept[0] == 0
     for before, answer, now in zip(prompts, answers, kept[1:]):
@@ -97,24 +101,37 @@ def test_turns_equal_decoding_from_scratch(pair, tree):
 def test_a_changed_conversation_drops_what_differs(pair):
     """A prompt that shares only part of what the caches hold (an edited earlier turn) keeps that part."""
     tparams, tcfg, dparams, dcfg = pair
-    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=CAPACITY, chunks=(32,))
+    talk = session.Session(
+        tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, TREE), capacity=CAPACITY, chunks=(32,)
+    )
     first = list(range(10, 70))
     list(talk.reply(first, 8))
     edited = first[:25] + [3, 4, 5] + first[25:]
     answer = [t for piece in talk.reply(edited, 12) for t in piece]
     assert talk.last.reused_tokens == 24
-    assert answer == speculative.generate(tparams, tcfg, dparams, dcfg, [edited], 12, TREE).tokens[0]
+    assert (
+        answer
+        == speculative.generate(tparams, dparams, [edited], 12, speculative.DecodeConfig(tcfg, dcfg, TREE)).tokens[0]
+    )
 
 
 def test_sampled_turns_equal_sampling_from_scratch(pair):
     """With the same seed a sampled turn draws exactly what `speculative.generate` draws from scratch."""
     tparams, tcfg, dparams, dcfg = pair
     sc = SamplingConfig(temperature=0.9, top_p=0.95)
-    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, sc, capacity=CAPACITY, chunks=(32,))
+    talk = session.Session(
+        tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, TREE, sc), capacity=CAPACITY, chunks=(32,)
+    )
     prompts, answers, _, _ = _conversation(talk, 20, 3, 16, np.random.default_rng(2), seed_base=5)
     for turn, (prompt, answer) in enumerate(zip(prompts, answers)):
         expected = speculative.generate(
-            tparams, tcfg, dparams, dcfg, [prompt], 16, TREE, sc, seed=5 + turn, capacity=CAPACITY
+            tparams,
+            dparams,
+            [prompt],
+            16,
+            speculative.DecodeConfig(tcfg, dcfg, TREE, sc),
+            seed=5 + turn,
+            capacity=CAPACITY,
         )
         assert answer == expected.tokens[0]
 
@@ -123,7 +140,7 @@ def test_sampled_turns_equal_sampling_from_scratch(pair):
 def test_nothing_compiles_after_warm_up(pair, compiles, tree):
     """Prompts from 10 to 1900 tokens and several turns each run only the warmed programs."""
     tparams, tcfg, dparams, dcfg = pair
-    talk = session.Session(tparams, tcfg, dparams, dcfg, tree, capacity=2048)
+    talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=2048)
     assert len(talk.programs()) == len(session.CHUNKS) + len(talk.spans) == 2 + 5
     talk.warm_up()
     before = len(compiles)
@@ -139,10 +156,12 @@ def test_nothing_compiles_after_warm_up(pair, compiles, tree):
 def test_bad_sessions(pair):
     tparams, tcfg, dparams, dcfg = pair
     with pytest.raises(EagleError, match="positions"):
-        session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=tcfg.rope.max_position_embeddings + 1)
+        session.Session(
+            tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, TREE), capacity=tcfg.rope.max_position_embeddings + 1
+        )
     with pytest.raises(EagleError, match="draft head"):
-        session.Session(tparams, tcfg, None, None, TREE)
-    talk = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=128, chunks=(32,))
+        session.Session(tparams, None, speculative.DecodeConfig(tcfg, None, TREE))
+    talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, TREE), capacity=128, chunks=(32,))
     with pytest.raises(EagleError, match="does not fit"):
         list(talk.reply(list(range(5, 125)), 8))
 
@@ -155,8 +174,10 @@ def test_sessions_on_a_mesh_equal_one_device(pair):
     mesh = sharding.make_mesh("tensor=2", jax.devices()[:2])
     placed_t = sharding.place(tparams, sharding.target_shardings(tcfg, mesh))
     placed_d = sharding.place(dparams, sharding.draft_shardings(dcfg, mesh))
-    one = session.Session(tparams, tcfg, dparams, dcfg, TREE, capacity=256, chunks=(32,))
-    split = session.Session(placed_t, tcfg, placed_d, dcfg, TREE, capacity=256, chunks=(32,), mesh=mesh)
+    one = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, TREE), capacity=256, chunks=(32,))
+    split = session.Session(
+        placed_t, placed_d, speculative.DecodeConfig(tcfg, dcfg, TREE), capacity=256, chunks=(32,), mesh=mesh
+    )
     rng = np.random.default_rng(4)
     assert _conversation(one, 30, 2, 12, rng)[1] == _conversation(split, 30, 2, 12, np.random.default_rng(4))[1]
     assert jax.device_count() >= 2

@@ -43,7 +43,10 @@ def prompts():
 @pytest.fixture(scope="module")
 def unsharded(models, prompts):
     tcfg, tparams, dcfg, dparams = models
-    return {b: speculative.generate(tparams, tcfg, dparams, dcfg, prompts[:b], 24, SPEC) for b in (1, 8)}
+    return {
+        b: speculative.generate(tparams, dparams, prompts[:b], 24, speculative.DecodeConfig(tcfg, dcfg, SPEC))
+        for b in (1, 8)
+    }
 
 
 @pytest.mark.parametrize("batch", [1, 8])
@@ -51,7 +54,7 @@ def unsharded(models, prompts):
 def test_speculative_sharded_equals_unsharded(mesh_text, batch, models, prompts, unsharded):
     tcfg, tparams, dcfg, dparams = models
     mesh = sharding.make_mesh(mesh_text)
-    got = programs.generate(tparams, tcfg, dparams, dcfg, prompts[:batch], 24, mesh, SPEC)
+    got = programs.generate(tparams, dparams, prompts[:batch], 24, speculative.DecodeConfig(tcfg, dcfg, SPEC), mesh)
     want = unsharded[batch]
     assert got.tokens == want.tokens
     assert got.accept_lengths == want.accept_lengths
@@ -63,19 +66,37 @@ def test_sampling_on_a_mesh_equals_unsharded(models, prompts):
     the layout), and differs from another seed's."""
     tcfg, tparams, dcfg, dparams = models
     sc = SamplingConfig(1.0, top_p=0.9)
-    want = speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 16, SPEC, sc, seed=4)
+    want = speculative.generate(tparams, dparams, prompts, 16, speculative.DecodeConfig(tcfg, dcfg, SPEC, sc), seed=4)
     got = programs.generate(
-        tparams, tcfg, dparams, dcfg, prompts, 16, sharding.make_mesh("tensor=4,data=2"), SPEC, sc, seed=4
+        tparams,
+        dparams,
+        prompts,
+        16,
+        speculative.DecodeConfig(tcfg, dcfg, SPEC, sc),
+        sharding.make_mesh("tensor=4,data=2"),
+        seed=4,
     )
     assert got.tokens == want.tokens and got.accept_lengths == want.accept_lengths
-    assert speculative.generate(tparams, tcfg, dparams, dcfg, prompts, 16, SPEC, sc, seed=5).tokens != want.tokens
+    assert (
+        speculative.generate(
+            tparams, dparams, prompts, 16, speculative.DecodeConfig(tcfg, dcfg, SPEC, sc), seed=5
+        ).tokens
+        != want.tokens
+    )
 
 
 def test_plain_sharded_equals_unsharded(models, prompts):
     """Three rows on data=2 (one idle pad row), kv heads split over tensor=4."""
     tcfg, tparams, _, _ = models
     want = plain_generate(tparams, tcfg, prompts[:3], 16)
-    got = programs.generate(tparams, tcfg, None, None, prompts[:3], 16, sharding.make_mesh("tensor=4,data=2"), PLAIN)
+    got = programs.generate(
+        tparams,
+        None,
+        prompts[:3],
+        16,
+        speculative.DecodeConfig(tcfg, None, PLAIN),
+        sharding.make_mesh("tensor=4,data=2"),
+    )
     assert got.tokens == want.tokens and got.stop_reasons == want.stop_reasons
 
 

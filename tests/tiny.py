@@ -96,6 +96,7 @@ def with_eos(cfg: TargetConfig, eos: tuple[int, ...]) -> TargetConfig:
     return dataclasses.replace(cfg, eos_token_ids=eos)
 
 
-def plain_generate(params: dict, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int, **kw):
-    """Plain decoding: the engine with `tree.PLAIN` and no head (`speculative.generate`'s other keywords)."""
-    return speculative.generate(params, cfg, None, None, prompts, max_new_tokens, PLAIN, **kw)
+def plain_generate(params: dict, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int, sampling=None, **kw):
+    """Plain decoding: the engine with `tree.PLAIN` and no head (`speculative.generate`'s seed and capacity)."""
+    settings = speculative.DecodeConfig(cfg, None, PLAIN, *([sampling] if sampling is not None else []))
+    return speculative.generate(params, None, prompts, max_new_tokens, settings, **kw)

@@ -126,8 +126,8 @@ def measure(
 
     def run(tree: Envelope) -> tuple[int, int]:
         """(new tokens, cycles) of one generation."""
-        head_params, head_cfg = speculative.head_for(tree, dparams, dcfg)
-        res = speculative.generate(tparams, tcfg, head_params, head_cfg, prompts, new_tokens, tree, sampling)
+        cfg, head = speculative.head_for(speculative.DecodeConfig(tcfg, dcfg, tree, sampling), dparams)
+        res = speculative.generate(tparams, head, prompts, new_tokens, cfg)
         return sum(res.new_tokens), sum(res.cycles)
 
     trees: list[Envelope] = [PLAIN, *(candidates_for(dcfg is not None) if candidates is None else candidates)]

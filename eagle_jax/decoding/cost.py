@@ -100,10 +100,11 @@ def cycle_cost(
     ssh = programs.spec_state_shardings(tcfg, dcfg, mesh)
     tparams = abstract(with_dtype(target.param_specs(tcfg), dtype), tsh)
     dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), dsh) if dcfg is not None else None
-    state = abstract(jax.eval_shape(lambda: speculative.empty_state(tcfg, dcfg, batch, capacity, dtype)), ssh)
+    cfg = speculative.DecodeConfig(tcfg, dcfg, tree, sampling)
+    state = abstract(jax.eval_shape(lambda: speculative.empty_state(cfg, batch, capacity, dtype)), ssh)
 
     def one_cycle(tp, dp, s):
-        return speculative._cycle(tp, dp, s, tcfg, dcfg, tree, sampling, capacity)[0]
+        return speculative._cycle(tp, dp, s, cfg, capacity)[0]
 
     cycle = jax.jit(one_cycle, in_shardings=(tsh, dsh, ssh), out_shardings=ssh, donate_argnums=(2,))
     reads = device_bytes((tparams, dparams, state.target_cache, state.draft_cache))

@@ -24,8 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from eagle_jax.decoding import speculative
 from eagle_jax.decoding.rows import RowControls
-from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.speculative import SpecResult, SpecState
+from eagle_jax.decoding.speculative import DecodeConfig, SpecResult, SpecState
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.models import draft, target
@@ -94,21 +93,19 @@ class SpecPrograms:
 
 
 @functools.lru_cache(maxsize=16)
-def spec_programs(
-    tcfg: TargetConfig, dcfg: DraftConfig, tree: TreeConfig, sampling: SamplingConfig, capacity: int, mesh: Mesh
-) -> SpecPrograms:
+def spec_programs(cfg: DecodeConfig, capacity: int, mesh: Mesh) -> SpecPrograms:
+    tcfg, dcfg = cfg.tcfg, cfg.dcfg
     check_mesh(mesh, tcfg, dcfg)
     tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh) if dcfg is not None else None
     ssh = spec_state_shardings(tcfg, dcfg, mesh)
     rows, replicated = ssh.counts, ssh.key
-    static = dict(tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling)
     prefill = jax.jit(
-        functools.partial(speculative.prefill, capacity=capacity, **static),
+        functools.partial(speculative.prefill, capacity=capacity, cfg=cfg),
         in_shardings=(tsh, dsh, rows, rows, rows, replicated),
         out_shardings=ssh,
     )
     run = jax.jit(
-        functools.partial(speculative.run_loop, **static),
+        functools.partial(speculative.run_loop, cfg=cfg),
         in_shardings=(tsh, dsh, ssh),
         out_shardings=ssh,
         donate_argnums=(2,),
@@ -141,23 +138,20 @@ def _put_rows(x: np.ndarray, real: int, fill: int, where: NamedSharding) -> jax.
 
 def generate(
     tparams: PyTree,
-    tcfg: TargetConfig,
     dparams: PyTree,
-    dcfg: DraftConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
-    mesh: Mesh | None,
-    tree: TreeConfig = DynamicTree(),
-    sampling: SamplingConfig = SamplingConfig(),
+    cfg: DecodeConfig,
+    mesh: Mesh | None = None,
     seed: int = 0,
     capacity: int | None = None,
     on_new: Callable[[list[list[int]]], None] | None = None,
 ) -> SpecResult:
-    """Generation with `tree` (`tree.PLAIN`: plain decoding) on one device (mesh None) or sharded on a mesh: the
-    same tokens either way. On one device, `on_new(new tokens per row)` streams: it is called as cycles are
-    accepted. The head is used only when the tree grows from it (`speculative.head_for`)."""
-    dparams, dcfg = speculative.head_for(tree, dparams, dcfg)
-    args = (tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
+    """`speculative.generate` on one device (mesh None) or sharded on a mesh: the same tokens either way. On one
+    device, `on_new(new tokens per row)` streams: it is called as cycles are accepted. The head is used only when
+    the tree grows from it (`speculative.head_for`)."""
+    cfg, dparams = speculative.head_for(cfg, dparams)
+    args = (tparams, dparams, prompts, max_new_tokens, cfg, seed, capacity)
     if mesh is not None:
         return _generate_sharded(*args, mesh)
     if on_new is None:
@@ -168,13 +162,13 @@ def generate(
     return speculative.result(state)
 
 
-def _generate_sharded(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity, mesh):
+def _generate_sharded(tparams, dparams, prompts, max_new_tokens, cfg: DecodeConfig, seed, capacity, mesh):
     """`speculative.generate` on a mesh, with parameters and state sharded."""
-    pad_id = tcfg.pad_token_id or 0
+    pad_id = cfg.tcfg.pad_token_id or 0
     rows = _pad_rows(prompts, mesh, pad_id)
-    check_mesh(mesh, tcfg, dcfg, len(rows))
-    p = speculative.prepare(rows, max_new_tokens, tree, tcfg, capacity)
-    progs = spec_programs(tcfg, dcfg, tree, sampling, p.capacity, mesh)
+    check_mesh(mesh, cfg.tcfg, cfg.dcfg, len(rows))
+    p = speculative.prepare(rows, max_new_tokens, cfg, capacity)
+    progs = spec_programs(cfg, p.capacity, mesh)
     n = len(prompts)
     tokens, lengths = (sharding.put(x, progs.rows) for x in (p.tokens, p.lengths))
     limits = _put_rows(p.limits, n, 0, progs.rows)
@@ -205,7 +199,7 @@ def plan_inference(
             f"a cache of {max_len} slots must exceed one cycle's {tree.cache_overhead} slots and hold the "
             f"{prompt_len}-token prompt"
         )
-    progs = spec_programs(tcfg, dcfg, tree, SamplingConfig(), max_len, mesh)
+    progs = spec_programs(DecodeConfig(tcfg, dcfg, tree), max_len, mesh)
     tparams = abstract(with_dtype(target.param_specs(tcfg), dtype), progs.target)
     dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), progs.draft)
     rows = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=progs.rows)  # noqa: E731

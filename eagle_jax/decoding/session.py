@@ -23,10 +23,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from eagle_jax.decoding import programs, schedule, speculative
-from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import PLAIN, TreeConfig
+from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.errors import EagleError
-from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.parallel import sharding
 
 CHUNKS = (256, 32)  # prefill chunk sizes: long prompts in large chunks, a turn's few new tokens in a small one
@@ -93,33 +91,30 @@ class TurnStats:
 
 
 class Session:
-    """One conversation (one row) on one device, decoded with `tree` (default plain decoding)."""
+    """One conversation (one row) on one device, decoded as `cfg` says (its tree `PLAIN`: plain decoding)."""
 
     def __init__(
         self,
         tparams: dict,
-        tcfg: TargetConfig,
-        dparams: dict | None = None,
-        dcfg: DraftConfig | None = None,
-        tree: TreeConfig = PLAIN,
-        sampling: SamplingConfig = SamplingConfig(),
+        dparams: dict | None,
+        cfg: DecodeConfig,
         capacity: int = 4096,
         chunks: Sequence[int] = CHUNKS,
         mesh: Mesh | None = None,
     ):
-        if tree.needs_head and dparams is None:
-            raise EagleError(f"the tree {tree} grows from a draft head: give one, or a tree with no head's part")
-        target_capacity = tcfg.rope.max_position_embeddings
+        if cfg.tree.needs_head and dparams is None:
+            raise EagleError(f"the tree {cfg.tree} grows from a draft head: give one, or a tree with no head's part")
+        target_capacity = cfg.tcfg.rope.max_position_embeddings
         if capacity > target_capacity:
             raise EagleError(f"capacity {capacity} exceeds the target's {target_capacity} positions; lower it")
-        dparams, dcfg = speculative.head_for(tree, dparams, dcfg)
-        self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
-        self.tree, self.sampling, self.capacity, self.chunks = tree, sampling, capacity, tuple(chunks)
-        self.state = speculative.empty_state(tcfg, dcfg, 1, capacity, tparams["embed"].dtype)
+        self.cfg, self.dparams = speculative.head_for(cfg, dparams)
+        self.tparams, self.capacity, self.chunks = tparams, capacity, tuple(chunks)
+        self.state = speculative.empty_state(self.cfg, 1, capacity, tparams["embed"].dtype)
         if mesh is not None:  # the caches split over `tensor` like the parameters; one row: no data axis
             if sharding.data_parallelism(mesh) > 1:
                 raise EagleError("a conversation is one row: use a mesh with data=1 and fsdp=1 (e.g. tensor=N)")
-            self.state = jax.device_put(self.state, programs.spec_state_shardings(tcfg, dcfg, mesh))
+            layout = programs.spec_state_shardings(self.cfg.tcfg, self.cfg.dcfg, mesh)
+            self.state = jax.device_put(self.state, layout)
         self._key = jax.random.key(0)
         self.cached: list[int] = []  # token ids the caches hold (positions 0..), the last answer included
         self.turns = 0
@@ -155,30 +150,18 @@ class Session:
                 *common,
                 piece.follow[None],
                 *rest,
-                tcfg=self.tcfg,
-                dcfg=self.dcfg,
-                sampling=self.sampling,
+                cfg=self.cfg,
             )
 
     def _cycle(self, span: int):
         """One cycle attending over `span` slots."""
-        state, _ = speculative.cycle(
-            self.tparams,
-            self.dparams,
-            self.state,
-            tcfg=self.tcfg,
-            dcfg=self.dcfg,
-            tree=self.tree,
-            sampling=self.sampling,
-            span=span,
-        )
-        return state
+        return speculative.cycle(self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)[0]
 
     def reply(self, prompt: Sequence[int], max_new_tokens: int, seed: int = 0) -> Iterator[list[int]]:
         """Answer the conversation `prompt` (all its token ids so far): yields new tokens as they are
         accepted; `last` then holds the turn's figures. The caches keep the prompt and the answer."""
         prompt = list(prompt)
-        plan = schedule.plan([len(prompt)], max_new_tokens, self.tree.cache_overhead, self.capacity)
+        plan = schedule.plan([len(prompt)], max_new_tokens, self.cfg.tree.cache_overhead, self.capacity)
         keep = reusable(self.cached, prompt)
         self._key = jax.random.key(seed)
         t0 = time.perf_counter()
@@ -187,7 +170,9 @@ class Session:
         t1 = time.perf_counter()
         shown, done = 0, False
         while not done:  # whole arrays come to the host: indexing on device would compile small programs
-            span = schedule.attention_span(int(speculative.host_slots_needed(self.state, self.tree)[0]), self.capacity)
+            span = schedule.attention_span(
+                int(speculative.host_slots_needed(self.state, self.cfg.tree)[0]), self.capacity
+            )
             self.state = self._cycle(span)
             counts, finished, out = jax.device_get((self.state.counts, self.state.done, self.state.out))
             done = bool(finished[0])

@@ -28,7 +28,7 @@ from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.emit import PAD_ID, emit
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig, sample
-from eagle_jax.decoding.tree import Tree, TreeConfig
+from eagle_jax.decoding.tree import PLAIN, Tree, TreeConfig
 from eagle_jax.models import draft, kv_cache, target
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.kv_cache import KVCache
@@ -84,6 +84,24 @@ class SpecResult:
         return acceptance.n_alpha(self.accept_histogram(max_accept))
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """What a compiled program of the engine depends on besides shapes: the target's and the head's configs (None:
+    no head), the tree (`tree.PLAIN`: plain decoding) and the sampling rule. Hashable: the engine's one static
+    argument."""
+
+    tcfg: TargetConfig
+    dcfg: DraftConfig | None = None
+    tree: TreeConfig = PLAIN
+    sampling: SamplingConfig = SamplingConfig()
+
+
+def head_for(cfg: DecodeConfig, dparams) -> tuple[DecodeConfig, dict | None]:
+    """The settings and head a run with one fixed tree takes: no head when the tree does not grow from it (it would
+    only follow along, which a batch that switches trees needs, a fixed one does not)."""
+    return (cfg, dparams) if cfg.tree.needs_head else (dataclasses.replace(cfg, dcfg=None), None)
+
+
 def _feature_layers(tcfg: TargetConfig, dcfg: DraftConfig | None) -> tuple[int, ...]:
     return dcfg.feature_layers(tcfg) if dcfg is not None else ()
 
@@ -122,31 +140,19 @@ def _draft_context(
     return last, kv_cache.advance(cache, count)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "capacity"))
-def prefill(
-    tparams,
-    dparams,
-    tokens,
-    lengths,
-    limits,
-    key,
-    *,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig,
-    tree: TreeConfig,
-    sampling: SamplingConfig,
-    capacity: int,
-) -> SpecState:
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity"))
+def prefill(tparams, dparams, tokens, lengths, limits, key, *, cfg: DecodeConfig, capacity: int) -> SpecState:
     """Prompts [B, P] right-padded with lengths [B] -> the state before the first cycle.
 
     The target fills its cache and picks the first root; the draft reads the pairs
     (feature_i, token_{i+1}) for i < length (the last token being the root).
     """
+    tcfg, dcfg = cfg.tcfg, cfg.dcfg
     b, p = tokens.shape
     out = target.prefill(tparams, tcfg, tokens, capacity, _feature_layers(tcfg, dcfg))
     rows = jnp.arange(b)
     last_hidden = out.hidden[rows, lengths - 1]
-    root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), sampling)
+    root = sample(jax.random.fold_in(key, 0), target.lm_logits(tparams, tcfg, last_hidden), cfg.sampling)
     shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1).at[rows, lengths - 1].set(root)
     draft_hidden = dcache = None
     if dcfg is not None:
@@ -172,7 +178,7 @@ def prefill(
     )
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "sampling"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("state",))
 def extend(
     tparams,
     dparams,
@@ -186,9 +192,7 @@ def extend(
     key,
     controls: RowControls | None = None,
     *,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig,
-    sampling: SamplingConfig,
+    cfg: DecodeConfig,
 ) -> SpecState:
     """Feed a chunk of a conversation into caches kept from earlier chunks and turns (chunked prefill).
 
@@ -198,8 +202,10 @@ def extend(
     with budget limits [B]: its root is sampled from the last fed token's logits (key fold_in(key, 0), as
     `prefill`) and closes the last pair. A row fed a chunk that is not its last waits (done) until it is.
     Rows fed nothing (n = 0) are left as they were. With `controls` (per-row sampling, a server's batch) the
-    starting rows take their settings and seeds from it (`rows`: keys follow sequence positions).
+    starting rows take their settings and seeds from it (`rows`: keys follow sequence positions). The tree of
+    `cfg` plays no part.
     """
+    tcfg, dcfg = cfg.tcfg, cfg.dcfg
     b, c = tokens.shape
     rows = jnp.arange(b)
     fed = n > 0
@@ -221,7 +227,7 @@ def extend(
         controls = jax.tree.map(lambda new, old: jnp.where(starts, new, old), controls, old)
     logits = target.lm_logits(tparams, tcfg, fwd.hidden[rows, last])  # [B, V]
     if controls is None:
-        root = sample(jax.random.fold_in(key, 0), logits, sampling)
+        root = sample(jax.random.fold_in(key, 0), logits, cfg.sampling)
     else:
         root = rows_sampling.sample(logits[:, None], controls, (start + n)[:, None])[:, 0]
     pair_tokens = next_tokens.at[rows, last].set(jnp.where(final, root, next_tokens[rows, last]))
@@ -257,8 +263,9 @@ def extend(
     )
 
 
-def empty_state(tcfg: TargetConfig, dcfg: DraftConfig | None, batch: int, capacity: int, dtype) -> SpecState:
+def empty_state(cfg: DecodeConfig, batch: int, capacity: int, dtype) -> SpecState:
     """A state with empty caches and every row done: what `extend` feeds a conversation into."""
+    tcfg, dcfg = cfg.tcfg, cfg.dcfg
     head = dcfg is not None
     return SpecState(
         target_cache=target.init_cache(tcfg, batch, capacity, dtype),
@@ -291,22 +298,14 @@ def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     return functools.reduce(jnp.maximum, _lengths(s)) + tree.cache_overhead
 
 
-def _cycle(
-    tparams,
-    dparams,
-    s: SpecState,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig | None,
-    tree: TreeConfig,
-    sampling: SamplingConfig,
-    span: int | None,
-) -> tuple[SpecState, Tree]:
+def _cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None) -> tuple[SpecState, Tree]:
     """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
     running row's `slots_needed`). Returns the new state and this cycle's tree.
 
     When no running row has context candidates, only the head's part of the tree is verified (the root alone
     without a head: plain decoding's step): it accepts what the whole tree would, at the cost of a smaller
     forward."""
+    tcfg, dcfg, tree = cfg.tcfg, cfg.dcfg, cfg.tree
     embed = tparams["embed"]
     head = target.output_head(tparams, tcfg)
     candidates = None
@@ -323,7 +322,7 @@ def _cycle(
     else:
         start = trees.TreeStart(s.root, s.draft_hidden, None, None, None)
         tr, dcache = trees.build(tree, start, None, s.draft_cache, candidates)
-    forward = functools.partial(_forward, tparams, s, tcfg=tcfg, dcfg=dcfg, sampling=sampling, span=span)
+    forward = functools.partial(_forward, tparams, s, cfg=cfg, span=span)
     if not tree.context:
         fwd, choice = forward(tr, write=True)
     else:  # the cache is only read under the cond (written there, XLA would copy it whole): the path, after
@@ -341,14 +340,15 @@ def _cycle(
 
         hidden, features, new_kv, choice = jax.lax.cond(jnp.any(candidates[1][:, 0] & ~s.done), full, narrow)
         fwd = target.TargetOutput(None, hidden, features, s.target_cache, new_kv)
-    return _verify(dparams, s, dcache, tr, tree, fwd, choice, tcfg=tcfg, dcfg=dcfg, span=span, embed=embed), tr
+    return _verify(dparams, s, dcache, tr, fwd, choice, cfg=cfg, span=span, embed=embed), tr
 
 
 def _forward(
-    tparams, s: SpecState, tr: Tree, *, tcfg, dcfg, sampling: SamplingConfig, span: int | None, write: bool
+    tparams, s: SpecState, tr: Tree, *, cfg: DecodeConfig, span: int | None, write: bool
 ) -> tuple[target.TargetOutput, jax.Array]:
     """One target forward over the tree (writing its entries into the cache, or not: `target.forward`) and the
     target's choices [B, N]: the token it takes after each node."""
+    tcfg = cfg.tcfg
     with jax.named_scope("verify"):
         positions = s.target_cache.lengths[:, None] + tr.depths
         fwd = target.forward(
@@ -358,12 +358,12 @@ def _forward(
             positions,
             s.target_cache,
             mask=tr.mask,
-            feature_layers=_feature_layers(tcfg, dcfg),
+            feature_layers=_feature_layers(tcfg, cfg.dcfg),
             span=span,
             write=write,
         )
     with jax.named_scope("sample"):
-        return fwd, _draw(s, fwd.logits, sampling, s.cycle + 1, positions + 1)
+        return fwd, _draw(s, fwd.logits, cfg.sampling, s.cycle + 1, positions + 1)
 
 
 def _verify(
@@ -371,17 +371,16 @@ def _verify(
     s: SpecState,
     dcache: KVCache | None,
     tr: Tree,
-    tree: TreeConfig,
     fwd: target.TargetOutput,
     choice: jax.Array,
     *,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig | None,
+    cfg: DecodeConfig,
     span: int | None,
     embed: jax.Array,
 ) -> SpecState:
-    """Accept from the target's choices [B, N] over the tree `tr` (of shape `tree`), commit, let the head catch
+    """Accept from the target's choices [B, N] over the tree `tr` (of shape `cfg.tree`), commit, let the head catch
     up; rows stop when their next cycle would need more than the tree's slots past the cache."""
+    tcfg, dcfg, tree = cfg.tcfg, cfg.dcfg, cfg.tree
     rows = jnp.arange(s.root.shape[0])
     running = ~s.done
     with jax.named_scope("accept"):  # the deepest node whose whole path agrees; emit up to the budget and eos
@@ -431,89 +430,54 @@ def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, posit
     return sample(jax.random.fold_in(s.key, step), logits, sampling)
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"), donate_argnames=("state",))
-def cycle(tparams, dparams, state: SpecState, *, tcfg, dcfg, tree, sampling, span=None) -> tuple[SpecState, Tree]:
+@functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
+def cycle(tparams, dparams, state: SpecState, *, cfg: DecodeConfig, span: int | None = None) -> tuple[SpecState, Tree]:
     """One jitted cycle (the streaming path)."""
-    return _cycle(tparams, dparams, state, tcfg, dcfg, tree, sampling, span)
+    return _cycle(tparams, dparams, state, cfg, span)
 
 
-def run_loop(
-    tparams,
-    dparams,
-    state: SpecState,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig,
-    tree: TreeConfig,
-    sampling: SamplingConfig,
-    span: int | None = None,
-) -> SpecState:
+def run_loop(tparams, dparams, state: SpecState, cfg: DecodeConfig, span: int | None = None) -> SpecState:
     """Cycles as one `lax.while_loop` (no host round trip per cycle) until every row is done or a
     running row's next cycle would write past `span` cache slots (default: the whole cache)."""
     span = kv_cache.span_of(state.target_cache, span)
 
     def go_on(s: SpecState) -> jax.Array:
-        return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, tree) <= span))
+        return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, cfg.tree) <= span))
 
-    return jax.lax.while_loop(go_on, lambda s: _cycle(tparams, dparams, s, tcfg, dcfg, tree, sampling, span)[0], state)
-
-
-run_span = jax.jit(run_loop, static_argnames=("tcfg", "dcfg", "tree", "sampling", "span"), donate_argnames=("state",))
+    return jax.lax.while_loop(go_on, lambda s: _cycle(tparams, dparams, s, cfg, span)[0], state)
 
 
-def run(
-    tparams,
-    dparams,
-    state: SpecState,
-    *,
-    tcfg: TargetConfig,
-    dcfg: DraftConfig,
-    tree: TreeConfig,
-    sampling: SamplingConfig,
-) -> SpecState:
+run_span = jax.jit(run_loop, static_argnames=("cfg", "span"), donate_argnames=("state",))
+
+
+def run(tparams, dparams, state: SpecState, *, cfg: DecodeConfig) -> SpecState:
     """Cycles until every row is done, in segments over growing attention spans."""
     return schedule.run_segments(
-        lambda s, span: run_span(tparams, dparams, s, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span),
+        lambda s, span: run_span(tparams, dparams, s, cfg=cfg, span=span),
         state,
-        lambda s: host_slots_needed(s, tree),
+        lambda s: host_slots_needed(s, cfg.tree),
         state.target_cache.capacity,
     )
 
 
-def head_for(tree: TreeConfig, dparams, dcfg: DraftConfig | None) -> tuple[dict | None, DraftConfig | None]:
-    """The head a run with one fixed tree needs: none when the tree does not grow from it (it would only follow
-    along, which a batch that switches trees needs, a fixed one does not)."""
-    return (dparams, dcfg) if tree is not None and tree.needs_head else (None, None)
-
-
 def prepare(
-    prompts: list[list[int]], max_new_tokens: int, tree: TreeConfig, tcfg: TargetConfig, capacity: int | None = None
+    prompts: list[list[int]], max_new_tokens: int, cfg: DecodeConfig, capacity: int | None = None
 ) -> schedule.Prompts:
     """Size and pad prompts; the cache holds prompt + budget + one cycle's tree."""
     return schedule.prepare(
         prompts,
         max_new_tokens,
-        tree.cache_overhead,
+        cfg.tree.cache_overhead,
         capacity,
-        tcfg.rope.max_position_embeddings,
-        tcfg.pad_token_id or 0,
+        cfg.tcfg.rope.max_position_embeddings,
+        cfg.tcfg.pad_token_id or 0,
     )
 
 
-def init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity) -> SpecState:
-    p = prepare(prompts, max_new_tokens, tree, tcfg, capacity)
-    return prefill(
-        tparams,
-        dparams,
-        p.tokens,
-        p.lengths,
-        p.limits,
-        jax.random.key(seed),
-        tcfg=tcfg,
-        dcfg=dcfg,
-        tree=tree,
-        sampling=sampling,
-        capacity=p.capacity,
-    )
+def init_state(tparams, dparams, prompts, max_new_tokens, cfg: DecodeConfig, seed, capacity) -> SpecState:
+    p = prepare(prompts, max_new_tokens, cfg, capacity)
+    key = jax.random.key(seed)
+    return prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, cfg=cfg, capacity=p.capacity)
 
 
 def result(state: SpecState) -> SpecResult:
@@ -528,42 +492,37 @@ def result(state: SpecState) -> SpecResult:
 
 def generate(
     tparams,
-    tcfg: TargetConfig,
     dparams,
-    dcfg: DraftConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
-    tree: TreeConfig = trees.DynamicTree(),
-    sampling: SamplingConfig = SamplingConfig(),
+    cfg: DecodeConfig,
     seed: int = 0,
     capacity: int | None = None,
 ) -> SpecResult:
-    """Speculative generation of up to max_new_tokens new tokens per prompt, on device end to end."""
-    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
-    return result(run(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling))
+    """Generation of up to max_new_tokens new tokens per prompt with `cfg` (its tree `tree.PLAIN`: plain decoding),
+    on device end to end."""
+    state = init_state(tparams, dparams, prompts, max_new_tokens, cfg, seed, capacity)
+    return result(run(tparams, dparams, state, cfg=cfg))
 
 
 def stream(
     tparams,
-    tcfg: TargetConfig,
     dparams,
-    dcfg: DraftConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
-    tree: TreeConfig = trees.DynamicTree(),
-    sampling: SamplingConfig = SamplingConfig(),
+    cfg: DecodeConfig,
     seed: int = 0,
     capacity: int | None = None,
 ) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
     """Drive the jitted cycle from Python; yields (new tokens per row, the cycle's tree, state)."""
-    state = init_state(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens, tree, sampling, seed, capacity)
+    state = init_state(tparams, dparams, prompts, max_new_tokens, cfg, seed, capacity)
     before, done = jax.device_get((state.counts, state.done))
-    needed = host_slots_needed(state, tree)
+    needed = host_slots_needed(state, cfg.tree)
     while not done.all():
         span = schedule.live_span(needed, done, state.target_cache.capacity)
-        state, tr = cycle(tparams, dparams, state, tcfg=tcfg, dcfg=dcfg, tree=tree, sampling=sampling, span=span)
+        state, tr = cycle(tparams, dparams, state, cfg=cfg, span=span)
         counts, done = jax.device_get((state.counts, state.done))
-        needed = host_slots_needed(state, tree)
+        needed = host_slots_needed(state, cfg.tree)
         out = np.asarray(jax.device_get(state.out))
         yield [out[r, before[r] : counts[r]].tolist() for r in range(len(counts))], tr, state
         before = counts

@@ -225,7 +225,7 @@ class Api:
         most = self.engine.slots + self.engine.max_queue
         if len(prompt) > most:
             raise BadRequest(f"{len(prompt)} prompts in one request; this server takes at most {most}", param="prompt")
-        vocab = self.engine.tcfg.vocab_size
+        vocab = self.engine.cfg.tcfg.vocab_size
         ids = []
         for p in prompt:
             if isinstance(p, str) and p:

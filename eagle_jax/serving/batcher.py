@@ -162,14 +162,15 @@ class Batcher:
         self.envelope = {n: envelopes(n) if speculate else PLAIN for n in live}
         if not any(t.needs_head for t in self.envelope.values()):  # no tree grows from the head: leave it out
             dparams = dcfg = None
-        self.tparams, self.tcfg, self.dparams, self.dcfg = tparams, tcfg, dparams, dcfg
+        self.tparams, self.dparams = tparams, dparams
+        self.cfg = speculative.DecodeConfig(tcfg, dcfg, PLAIN, STATIC_SAMPLING)  # each cycle: its envelope's tree
         self.overhead = max(t.cache_overhead for t in self.envelope.values())
         check_hosts(mesh)
         self.multi_host = distributed.is_multi_host()
         dtype = tparams["embed"].dtype
 
         def empty() -> speculative.SpecState:
-            state = speculative.empty_state(tcfg, dcfg, slots, capacity, dtype)
+            state = speculative.empty_state(self.cfg, slots, capacity, dtype)
             return dataclasses.replace(state, controls=RowControls.of([STATIC_SAMPLING] * slots, [0] * slots))
 
         if mesh is None:
@@ -279,23 +280,12 @@ class Batcher:
             limits,
             jax.random.key(0),
             controls,
-            tcfg=self.tcfg,
-            dcfg=self.dcfg,
-            sampling=STATIC_SAMPLING,
+            cfg=self.cfg,
         )
 
     def _cycle(self, tree: TreeConfig, span: int) -> speculative.SpecState:
-        state, _ = speculative.cycle(
-            self.tparams,
-            self.dparams,
-            self.state,
-            tcfg=self.tcfg,
-            dcfg=self.dcfg,
-            tree=tree,
-            sampling=STATIC_SAMPLING,
-            span=span,
-        )
-        return state
+        cfg = dataclasses.replace(self.cfg, tree=tree)
+        return speculative.cycle(self.tparams, self.dparams, self.state, cfg=cfg, span=span)[0]
 
     # ------------------------------------------------------------ the loop
 

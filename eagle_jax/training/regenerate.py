@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from eagle_jax.decoding import programs
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.speculative import SpecResult
+from eagle_jax.decoding.speculative import DecodeConfig, SpecResult
 from eagle_jax.decoding.tree import PLAIN
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
@@ -48,7 +48,15 @@ class RegenerateConfig:
 def _generate(
     params, cfg: TargetConfig, prompts: list[list[int]], rc: RegenerateConfig, seed: int, mesh: Mesh | None = None
 ) -> SpecResult:
-    return programs.generate(params, cfg, None, None, prompts, rc.max_new_tokens, mesh, PLAIN, rc.sampling, seed)
+    return programs.generate(
+        params,
+        None,
+        prompts,
+        rc.max_new_tokens,
+        DecodeConfig(cfg, None, PLAIN, rc.sampling),
+        mesh,
+        seed=seed,
+    )
 
 
 def prompt_ids(tokenizer, turns: list[dict[str, str]]) -> list[int]:

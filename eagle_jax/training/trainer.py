@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from eagle_jax.decoding import speculative
+from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading, official, store
 from eagle_jax.models import draft
@@ -255,7 +256,9 @@ def measure_tau(
     tparams: dict, tcfg: TargetConfig, dparams: dict, dcfg: DraftConfig, prompts: list[list[int]], max_new_tokens: int
 ) -> float:
     """Mean tokens per cycle of greedy speculative decoding (EAGLE-2 dynamic tree, upstream defaults)."""
-    return speculative.generate(tparams, tcfg, dparams, dcfg, prompts, max_new_tokens).tau
+    return speculative.generate(
+        tparams, dparams, prompts, max_new_tokens, speculative.DecodeConfig(tcfg, dcfg, DynamicTree())
+    ).tau
 
 
 # ---------------------------------------------------------------- the run
