@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cli import demo
 from eagle_jax.decoding import budget
+from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
@@ -84,7 +85,9 @@ def default_tree(
         )
     log(f"measuring draft-tree envelopes for batch {batch} on this machine (once; cached in {cached.parent})")
     tcfg, tparams, dcfg, dparams = models
-    measured = budget.calibrate(tparams, tcfg, dparams, dcfg, calibration, [batch], CALIBRATION_TOKENS, log=log)
+    measured = budget.calibrate(
+        tparams, dparams, DecodeConfig(tcfg, dcfg), calibration, [batch], CALIBRATION_TOKENS, log=log
+    )
     previous = _read(cached)
     merged = budget.Budget(
         measured.device,

@@ -72,14 +72,7 @@ class Runner:
 
     def prepare(self, prompts: list[list[int]], max_new_tokens: int) -> schedule.Prompts:
         """Both decoders' layout: the capacity holds prompt bucket + budget + one cycle's tree."""
-        return schedule.prepare(
-            prompts,
-            max_new_tokens,
-            self.tree.cache_overhead,
-            None,
-            self.tcfg.rope.max_position_embeddings,
-            self.tcfg.pad_token_id or 0,
-        )
+        return speculative.prepare(prompts, max_new_tokens, speculative.DecodeConfig(self.tcfg, tree=self.tree))
 
     def _settings(self, tree: TreeConfig) -> tuple[speculative.DecodeConfig, dict | None]:
         """The settings and head a run with `tree` takes (`speculative.head_for`)."""

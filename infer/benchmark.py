@@ -43,6 +43,7 @@ from tqdm import tqdm
 from cli import command, demo, envelope, presets
 from cli.timing import Runner, read_questions
 from eagle_jax.decoding import acceptance, budget
+from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import (
     DynamicTree,
     NoDraft,
@@ -217,9 +218,8 @@ def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[budget.E
     batches = sorted({args.batch, *(args.budget_batches if args.save_budget else ())})
     measured = budget.calibrate(
         runner.tparams,
-        runner.tcfg,
         runner.dparams,
-        runner.dcfg,
+        DecodeConfig(runner.tcfg, runner.dcfg),
         calibration,
         batches,
         min(128, args.max_new_tokens),

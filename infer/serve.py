@@ -23,6 +23,7 @@ import jax
 
 from cli import command, demo, envelope, generation, presets
 from eagle_jax.decoding import budget as budgets
+from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, envelope_name
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
@@ -102,9 +103,8 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     engine = batcher.Batcher(
         tparams,
-        tcfg,
         dparams,
-        dcfg,
+        DecodeConfig(tcfg, dcfg),
         measured.for_batch if measured else (lambda n: PLAIN),
         a.max_batch,
         a.max_len,

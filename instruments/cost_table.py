@@ -34,6 +34,7 @@ from tqdm import tqdm
 from cli import command
 from cli.timing import Runner, read_questions
 from eagle_jax.decoding import budget, cost
+from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, envelope_name, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
@@ -196,7 +197,9 @@ def _main(argv: Sequence[str] | None) -> int:
         if b > 1:
             tcfg, tparams, dcfg, dparams = runner.models
             rows = [prompts[i % len(prompts)] for i in range(b)]
-            measured = budget.calibrate(tparams, tcfg, dparams, dcfg, rows, [b], a.max_new_tokens, log=print)
+            measured = budget.calibrate(
+                tparams, dparams, DecodeConfig(tcfg, dcfg), rows, [b], a.max_new_tokens, log=print
+            )
             settings.append((b, measured.choices[b], True))
     rows = []
     for b, tree, chosen in tqdm(settings, desc="settings", unit="setting", file=sys.stderr):

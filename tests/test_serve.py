@@ -22,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from test_train import cli_env  # noqa: E402
 from tiny import plain_generate  # noqa: E402
 
+from eagle_jax.decoding.speculative import DecodeConfig  # noqa: E402
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft  # noqa: E402
 from eagle_jax.io import loading  # noqa: E402
 from eagle_jax.serving import api, batcher  # noqa: E402
@@ -58,7 +59,9 @@ def served():
     tcfg, tparams = loading.load_target(DEMO / "target", jnp.float32)  # stored in fp16: fp32 as the demo runs
     dcfg, dparams = loading.load_draft(DEMO / "eagle3", tcfg, dtype=jnp.float32)
     tok = loading.load_tokenizer(DEMO / "target")
-    engine = batcher.Batcher(tparams, tcfg, dparams, dcfg, envelope, slots=SLOTS, capacity=256, chunks=(64, 16))
+    engine = batcher.Batcher(
+        tparams, dparams, DecodeConfig(tcfg, dcfg), envelope, slots=SLOTS, capacity=256, chunks=(64, 16)
+    )
     engine.warm_up()
     port = free_port()
     app = api.create_app(engine, tok, "demo")
@@ -414,7 +417,8 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
     answers = []
     for tree in (DynamicTree(16, 4, 4), DynamicTree(5, 4, 1), NoDraft(context=5, min_match=1), PLAIN):
         head = (dparams, dcfg) if tree == PLAIN or tree.needs_head else (None, None)
-        engine = batcher.Batcher(tparams, tcfg, *head, lambda n, t=tree: t, slots=2, capacity=256, chunks=(32,))
+        cfg = DecodeConfig(tcfg, head[1])
+        engine = batcher.Batcher(tparams, head[0], cfg, lambda n, t=tree: t, slots=2, capacity=256, chunks=(32,))
         assert (engine.dparams is None) == (not tree.needs_head)  # no tree grows from the head
         for seed, sc in ((3, SamplingConfig(0.8, 0.9, 0)), (4, SamplingConfig(1.0, 1.0, 20))):
             out: list[int] = []
@@ -509,7 +513,7 @@ def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
     placed_d = sharding.place(dparams, sharding.draft_shardings(dcfg, mesh))
     tree = DynamicTree(16, 4, 4)
     engine = batcher.Batcher(
-        placed_t, tcfg, placed_d, dcfg, lambda n: tree, slots=2, capacity=256, chunks=(32,), mesh=mesh
+        placed_t, placed_d, DecodeConfig(tcfg, dcfg), lambda n: tree, slots=2, capacity=256, chunks=(32,), mesh=mesh
     )
     prompts = [list(range(5, 40)), list(range(100, 112)), list(range(300, 360))]
     outs = [[] for _ in prompts]

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 import jax
 
 from eagle_jax.decoding import speculative
-from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, envelope_from_json, envelope_json, envelope_name
 
 Envelope = DynamicTree | NoDraft
@@ -111,26 +110,26 @@ def device_kind() -> str:
 
 def measure(
     tparams,
-    tcfg,
     dparams,
-    dcfg,
+    cfg: speculative.DecodeConfig,
     prompts: Sequence[Sequence[int]],
     new_tokens: int,
     candidates: Sequence[Envelope] | None = None,
     rounds: int = 3,
-    sampling: SamplingConfig = SamplingConfig(),
     log: Callable[[str], None] | None = None,
 ) -> list[Measured]:
-    """Tokens/s of plain decoding and of each candidate on `prompts` (one batch), median of `rounds`."""
+    """Tokens/s of plain decoding and of each candidate (as the tree of `cfg`) on `prompts` (one batch), median of
+    `rounds`."""
     prompts = [list(p) for p in prompts]
 
     def run(tree: Envelope) -> tuple[int, int]:
         """(new tokens, cycles) of one generation."""
-        cfg, head = speculative.head_for(speculative.DecodeConfig(tcfg, dcfg, tree, sampling), dparams)
-        res = speculative.generate(tparams, head, prompts, new_tokens, cfg)
+        settings, head = speculative.head_for(dataclasses.replace(cfg, tree=tree), dparams)
+        res = speculative.generate(tparams, head, prompts, new_tokens, settings)
         return sum(res.new_tokens), sum(res.cycles)
 
-    trees: list[Envelope] = [PLAIN, *(candidates_for(dcfg is not None) if candidates is None else candidates)]
+    default = candidates_for(cfg.dcfg is not None)
+    trees: list[Envelope] = [PLAIN, *(default if candidates is None else candidates)]
     counts = {t: run(t) for t in trees}  # compiles every program
     rates: dict[Envelope, list[float]] = {t: [] for t in trees}
     for _ in range(rounds):
@@ -154,9 +153,8 @@ def choose(measured: Sequence[Measured], margin: float = MARGIN) -> Envelope:
 
 def calibrate(
     tparams,
-    tcfg,
     dparams,
-    dcfg,
+    cfg: speculative.DecodeConfig,
     prompts: Sequence[Sequence[int]],
     batch_sizes: Sequence[int],
     new_tokens: int,
@@ -164,12 +162,13 @@ def calibrate(
     rounds: int = 3,
     log: Callable[[str], None] | None = None,
 ) -> Budget:
-    """A `Budget` for each batch size, measured on batches made of `prompts` (repeated as needed)."""
+    """A `Budget` for each batch size, measured on batches made of `prompts` (repeated as needed), with `cfg`'s
+    target, head and sampling."""
     measured = {}
     for b in batch_sizes:
         if log:
             log(f"batch {b}:")
         rows = [prompts[i % len(prompts)] for i in range(b)]
-        measured[b] = measure(tparams, tcfg, dparams, dcfg, rows, new_tokens, candidates, rounds, log=log)
+        measured[b] = measure(tparams, dparams, cfg, rows, new_tokens, candidates, rounds, log=log)
         jax.clear_caches()  # a dozen programs per batch size: free them before the next
     return Budget(device_kind(), {b: choose(ms) for b, ms in measured.items()}, measured)

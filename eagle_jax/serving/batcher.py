@@ -31,7 +31,6 @@ from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.errors import EagleError
-from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.parallel import distributed, sharding
 
 STATIC_SAMPLING = SamplingConfig()  # unused by rows with controls; one value keeps one program per shape
@@ -142,9 +141,8 @@ class Batcher:
     def __init__(
         self,
         tparams: dict,
-        tcfg: TargetConfig,
         dparams: dict | None,
-        dcfg: DraftConfig | None,
+        cfg: speculative.DecodeConfig,
         envelopes: Callable[[int], TreeConfig],
         slots: int = 8,
         capacity: int = 2048,
@@ -153,6 +151,7 @@ class Batcher:
         speculate: bool = True,
         mesh: Mesh | None = None,
     ):
+        tcfg, dcfg = cfg.tcfg, cfg.dcfg
         if capacity > tcfg.rope.max_position_embeddings:
             raise EagleError(
                 f"{capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it", "capacity"
@@ -163,7 +162,8 @@ class Batcher:
         if not any(t.needs_head for t in self.envelope.values()):  # no tree grows from the head: leave it out
             dparams = dcfg = None
         self.tparams, self.dparams = tparams, dparams
-        self.cfg = speculative.DecodeConfig(tcfg, dcfg, PLAIN, STATIC_SAMPLING)  # each cycle: its envelope's tree
+        # each request samples as it asks (per-row controls) and each cycle takes its envelope's tree
+        self.cfg = speculative.DecodeConfig(tcfg, dcfg, PLAIN, STATIC_SAMPLING)
         self.overhead = max(t.cache_overhead for t in self.envelope.values())
         check_hosts(mesh)
         self.multi_host = distributed.is_multi_host()

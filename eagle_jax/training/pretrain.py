@@ -10,10 +10,12 @@ follows wall time (the run ends on time on a loaded machine); with `steps` it fo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -118,6 +120,48 @@ def lr_at(pc: PretrainConfig, frac: float) -> float:
     return pc.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * f)))
 
 
+def sequences(pc: PretrainConfig, tok, bench_steps: int) -> np.ndarray:
+    """The training text as sequences [N, seq_len + 1] of token ids (a slice of it when benchmarking)."""
+    t0 = time.time()
+    stream = token_stream(
+        tok, Path(pc.data) if pc.data else None, pc.max_conversations or (200 if bench_steps else None)
+    )
+    n_seq = len(stream) // (pc.seq_len + 1)
+    seqs = stream[: n_seq * (pc.seq_len + 1)].reshape(n_seq, pc.seq_len + 1)
+    print(f"data: {len(stream)} tokens -> {n_seq} sequences of {pc.seq_len + 1} ({time.time() - t0:.0f}s)", flush=True)
+    return seqs
+
+
+def batches(seqs: np.ndarray, batch: int, seed: int) -> Iterator[jax.Array]:
+    """Batches [batch, T + 1] of the sequences, each pass in a fresh random order."""
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(seqs))
+        for cursor in range(0, len(order) - batch + 1, batch):
+            yield jnp.asarray(seqs[order[cursor : cursor + batch]])
+
+
+def train_step(cfg, opt: optax.GradientTransformation, seq_len: int):
+    """The jitted step (params, opt_state, batch [B, T + 1], lr) -> (params, opt_state, mean next-token loss)."""
+
+    def loss_fn(p, batch):  # batch [B, T + 1]
+        x, y = batch[:, :-1], batch[:, 1:]
+        b = x.shape[0]
+        pos = jnp.broadcast_to(jnp.arange(seq_len)[None], (b, seq_len))
+        out = target.forward(p, cfg, x, pos, target.init_cache(cfg, b, seq_len))
+        logp = jax.nn.log_softmax(out.logits, axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
+
+    @jax.jit
+    def step(p, s, batch, lr):
+        s[1].hyperparams["learning_rate"] = lr
+        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    return step
+
+
 def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
     """Train and save (every `save_every` minutes and at the end); returns the training log. With
     `bench_steps`, only time that many steps on a small slice of the data and return the timing."""
@@ -134,47 +178,15 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
         f"model: {param_count(specs) / 1e6:.2f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}",
         flush=True,
     )
-    t0 = time.time()
-    stream = token_stream(
-        tok, Path(pc.data) if pc.data else None, pc.max_conversations or (200 if bench_steps else None)
-    )
     T = pc.seq_len
-    n_seq = len(stream) // (T + 1)
-    seqs = stream[: n_seq * (T + 1)].reshape(n_seq, T + 1)  # [N, T + 1]
-    print(f"data: {len(stream)} tokens -> {n_seq} sequences of {T + 1} ({time.time() - t0:.0f}s)", flush=True)
-
+    feed = batches(sequences(pc, tok, bench_steps), pc.batch, pc.seed)
     opt = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.inject_hyperparams(optax.adamw)(learning_rate=pc.lr, b1=0.9, b2=0.95, weight_decay=0.1),
     )
     opt_state = opt.init(params)
-
-    def loss_fn(p, batch):  # batch [B, T + 1]
-        x, y = batch[:, :-1], batch[:, 1:]
-        b = x.shape[0]
-        pos = jnp.broadcast_to(jnp.arange(T)[None], (b, T))
-        out = target.forward(p, cfg, x, pos, target.init_cache(cfg, b, T))
-        logp = jax.nn.log_softmax(out.logits, axis=-1)
-        return -jnp.mean(jnp.take_along_axis(logp, y[..., None], axis=-1))
-
-    @jax.jit
-    def step(p, s, batch, lr):
-        s[1].hyperparams["learning_rate"] = lr
-        loss, grads = jax.value_and_grad(loss_fn)(p, batch)
-        updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    rng = np.random.default_rng(pc.seed)
-    order, cursor = rng.permutation(n_seq), 0
-
-    def next_batch() -> jax.Array:
-        nonlocal order, cursor
-        if cursor + pc.batch > len(order):
-            order, cursor = rng.permutation(n_seq), 0
-        idx = order[cursor : cursor + pc.batch]
-        cursor += pc.batch
-        return jnp.asarray(seqs[idx])
-
+    step = train_step(cfg, opt, T)
+    next_batch = functools.partial(next, feed)
     if bench_steps:
         params, opt_state, loss = step(params, opt_state, next_batch(), 1e-4)
         loss.block_until_ready()
@@ -197,6 +209,16 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
             {**extra, "training_log.json": json.dumps(log, indent=2) + "\n"},
             overwrite=True,
         )
+
+    def run_log(steps: int) -> dict:
+        """What training_log.json holds so far."""
+        return {
+            "steps": steps,
+            "tokens": steps * pc.batch * T,
+            "parameters": param_count(specs),
+            "args": dataclasses.asdict(pc),
+            "history": history,
+        }
 
     budget_s = pc.minutes * 60 if pc.minutes else None
     start = last_save = time.time()
@@ -227,25 +249,13 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
             )
         bar.update(1 if pc.steps else min(time.time() - start, budget_s) - bar.n)
         if time.time() - last_save > pc.save_every * 60:
-            save(
-                {
-                    "steps": i,
-                    "tokens": i * pc.batch * T,
-                    "parameters": param_count(specs),
-                    "args": dataclasses.asdict(pc),
-                    "history": history,
-                }
-            )
+            save(run_log(i))
             last_save = time.time()
     bar.close()
     log = {
-        "steps": i,
-        "tokens": i * pc.batch * T,
-        "parameters": param_count(specs),
-        "args": dataclasses.asdict(pc),
+        **run_log(i),
         "seconds": round(time.time() - start, 1),
         "final_loss": float(np.mean(losses[-10:])) if losses else None,
-        "history": history,
     }
     save(log)
     return log

@@ -294,6 +294,66 @@ def stop_between_steps() -> Iterator[Callable[[], bool]]:
             signal.signal(sig, old)
 
 
+def initial_head(rc: RunConfig, tcfg: TargetConfig) -> tuple[DraftConfig, dict, dict | None]:
+    """The head to start from: --init-head's (fp32 master weights, its vocabulary map), else a fresh EAGLE-3 head
+    shaped like a target layer. -> (config, trainable parameters, the vocabulary map or None)."""
+    if not rc.init_head:
+        dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
+        return dcfg, objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0], None
+    dcfg, head = loading.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)
+    if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
+        raise EagleError(
+            f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s ({dcfg.draft_vocab_size})"
+        )
+    return (dcfg, *objective.split_trainable(head))
+
+
+def record_settings(rc: RunConfig, out: Path) -> None:
+    """run.json: the run's settings (rewritten when they changed, e.g. a raised --steps)."""
+    out.mkdir(parents=True, exist_ok=True)
+    settings = json.loads(json.dumps(dataclasses.asdict(rc)))
+    if not (out / "run.json").is_file() or files.read_json(out / "run.json") != settings:
+        files.write_json_atomic(out / "run.json", settings)
+
+
+def metrics_record(rc: RunConfig, done: int, micro: list[dict], tokens: int, elapsed: float) -> dict:
+    """One metrics.jsonl line from the micro-batches of the step just done."""
+    ms = jax.device_get(micro)
+    correct = np.sum([m["n_correct"] for m in ms], axis=0)
+    denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
+    acc = (correct / (denom + 1e-6)).tolist()
+    return {
+        "step": done,
+        "loss": float(np.mean([m["loss"] for m in ms])),
+        "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
+        "acc": acc,
+        "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+        "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
+        "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(done - 1)),
+        "tokens_per_s": tokens / elapsed,
+    }
+
+
+def postfix(m: dict) -> str:
+    acc = "/".join(f"{a:.2f}" for a in m["acc"])
+    return f"loss {m['loss']:.3f} acc {acc} tau~{m['tau_sim']:.2f} {m['tokens_per_s']:.0f} tok/s"
+
+
+def restore(mgr, state: dict, sh: Shardings, out: Path) -> tuple[dict, int]:
+    """The latest checkpoint's state and step (`state` and 0 without one); the logs are cut back to that step."""
+    start = 0
+    restored = checkpoints.restore_latest(
+        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}), log
+    )
+    if restored is not None:
+        state, meta = restored
+        start = int(meta["step"])
+        log(f"resuming {out} at step {start}")
+    for name in ("metrics.jsonl", "tau.jsonl"):
+        truncate_log(out / name, start)
+    return state, start
+
+
 def train(rc: RunConfig) -> dict:
     """Run (or resume) training; returns the last logged metrics record."""
     out = check_run_folder(rc)
@@ -303,25 +363,12 @@ def train(rc: RunConfig) -> dict:
 
     tcfg = loading.target_config(rc.target)  # weights later: bad settings and data fail first
     tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
-    init_map = None
-    if rc.init_head:
-        dcfg, head = loading.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)  # fp32 master
-        if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
-            raise EagleError(
-                f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s ({dcfg.draft_vocab_size})"
-            )
-        trainable_init, init_map = objective.split_trainable(head)
-    else:
-        dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
-        trainable_init = objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0]
+    dcfg, trainable_init, init_map = initial_head(rc, tcfg)
     sharding.check_mesh(mesh, tcfg, dcfg)  # an axis that does not divide a model dimension: an error, not replication
     examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
     log(f"data: {stats.summary()}")
     prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
-    out.mkdir(parents=True, exist_ok=True)
-    settings = json.loads(json.dumps(dataclasses.asdict(rc)))
-    if not (out / "run.json").is_file() or files.read_json(out / "run.json") != settings:  # e.g. a raised --steps
-        files.write_json_atomic(out / "run.json", settings)
+    record_settings(rc, out)
     maps = vocab_map(rc, out, examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
@@ -334,17 +381,7 @@ def train(rc: RunConfig) -> dict:
     state = {"params": trainable, "opt_state": opt_state}
 
     with checkpoints.opened(out / "ckpt", rc.keep) as mgr:
-        start = 0
-        restored = checkpoints.restore_latest(
-            mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}), log
-        )
-        if restored is not None:
-            state, meta = restored
-            start = int(meta["step"])
-            log(f"resuming {out} at step {start}")
-        for name in ("metrics.jsonl", "tau.jsonl"):
-            truncate_log(out / name, start)
-
+        state, start = restore(mgr, state, sh, out)
         step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype)
         plan = data.BatchPlan(
             [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
@@ -374,27 +411,9 @@ def train(rc: RunConfig) -> dict:
                     micro.append(m)
                 done = step + 1
                 if done % rc.log_every == 0 or done == rc.steps:
-                    ms = jax.device_get(micro)
-                    elapsed = time.perf_counter() - t0
-                    correct = np.sum([m["n_correct"] for m in ms], axis=0)
-                    denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
-                    acc = (correct / (denom + 1e-6)).tolist()
-                    last = {
-                        "step": done,
-                        "loss": float(np.mean([m["loss"] for m in ms])),
-                        "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
-                        "acc": acc,
-                        "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
-                        "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
-                        "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(step)),
-                        "tokens_per_s": tokens / elapsed,
-                    }
+                    last = metrics_record(rc, done, micro, tokens, time.perf_counter() - t0)
                     append_jsonl(out / "metrics.jsonl", last)
-                    bar.set_postfix_str(
-                        f"loss {last['loss']:.3f} acc {'/'.join(f'{a:.2f}' for a in acc)} tau~{last['tau_sim']:.2f} "
-                        f"{last['tokens_per_s']:.0f} tok/s",
-                        refresh=False,
-                    )
+                    bar.set_postfix_str(postfix(last), refresh=False)
                     tokens, t0 = 0, time.perf_counter()
                 bar.update(1)
                 if prompts and rc.tau_every and done % rc.tau_every == 0:
