@@ -124,8 +124,9 @@ class Session:
         return schedule.all_spans(self.capacity)
 
     def programs(self) -> list[str]:
-        """The compiled set: one prefill program per chunk size, one cycle per span."""
-        return [f"extend {c}" for c in self.chunks] + [f"cycle span {s}" for s in self.spans]
+        """The compiled set: one prefill program per chunk size, one cycle (plain decoding: one loop) per span."""
+        kind = "cycle" if self.cfg.tree.drafts else "decode loop"
+        return [f"extend {c}" for c in self.chunks] + [f"{kind} span {s}" for s in self.spans]
 
     def warm_up(self) -> float:
         """Compile every program this session can run (by running each once); returns the seconds taken."""
@@ -154,7 +155,11 @@ class Session:
             )
 
     def _cycle(self, span: int):
-        """One cycle attending over `span` slots."""
+        """Cycles attending over `span` slots: one, so that a speculative answer streams cycle by cycle; for plain
+        decoding as many as the span holds, in one on-device loop (a host round trip per token costs a small model
+        as much as its step: `results/one_path/README.md`, chat)."""
+        if not self.cfg.tree.drafts:
+            return speculative.run_span(self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)
         return speculative.cycle(self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)[0]
 
     def reply(self, prompt: Sequence[int], max_new_tokens: int, seed: int = 0) -> Iterator[list[int]]:
