@@ -80,16 +80,15 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
         for new in talk.reply(ids, s.max_new_tokens, s.seed + talk.turns):
             show([new])
         print(flush=True)
-        print(turn_line(talk.last), file=sys.stderr, flush=True)
+        print(turn_line(talk.last, s.tree.drafts), file=sys.stderr, flush=True)
         history.append({"role": "assistant", "content": tok.decode(talk.last.tokens, skip_special_tokens=True)})
 
 
-def turn_line(t: session.TurnStats) -> str:
-    """A chat turn's figures: prefill (and how much of the prompt the caches already held), decoding."""
+def turn_line(t: session.TurnStats, spec: bool) -> str:
+    """A chat turn's figures: prefill (and how much of the prompt the caches already held), decoding (with cycles
+    and tau when the tree drafts)."""
     new = len(t.tokens)
-    cycles = (
-        f", {len(t.accept_lengths)} cycles, tau {new / max(1, len(t.accept_lengths)):.2f}" if t.accept_lengths else ""
-    )
+    cycles = f", {len(t.accept_lengths)} cycles, tau {new / max(1, len(t.accept_lengths)):.2f}" if spec else ""
     return (
         f"[prefill {t.prompt_tokens - t.reused_tokens} of {t.prompt_tokens} prompt tokens "
         f"({t.reused_tokens} kept in the cache) {1000 * t.prefill_s:.0f} ms; {new} new tokens{cycles}, "

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.decoding import speculative
+from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN
 from eagle_jax.models import draft, target
 from eagle_jax.models.config import RopeConfig, TargetConfig
@@ -96,7 +97,15 @@ def with_eos(cfg: TargetConfig, eos: tuple[int, ...]) -> TargetConfig:
     return dataclasses.replace(cfg, eos_token_ids=eos)
 
 
-def plain_generate(params: dict, cfg: TargetConfig, prompts: list[list[int]], max_new_tokens: int, sampling=None, **kw):
+def plain_generate(
+    params: dict,
+    cfg: TargetConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingConfig = SamplingConfig(),
+    **kw,
+):
     """Plain decoding: the engine with `tree.PLAIN` and no head (`speculative.generate`'s seed and capacity)."""
-    settings = speculative.DecodeConfig(cfg, None, PLAIN, *([sampling] if sampling is not None else []))
-    return speculative.generate(params, None, prompts, max_new_tokens, settings, **kw)
+    return speculative.generate(
+        params, None, prompts, max_new_tokens, speculative.DecodeConfig(cfg, None, PLAIN, sampling), **kw
+    )

@@ -24,7 +24,7 @@ from eagle_jax.models import draft, target
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.params import with_dtype
 from eagle_jax.parallel.memory import CPU_OPTIONS, abstract, device_bytes
-from eagle_jax.parallel.sharding import check_mesh, draft_shardings, target_shardings
+from eagle_jax.parallel.sharding import check_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,11 +96,11 @@ def cycle_cost(
     cache slots, sharded as the engine shards it on `mesh`: its cost per device. Plain decoding's step is the
     cycle of `tree.PLAIN` without a head (`step_cost`)."""
     check_mesh(mesh, tcfg, dcfg, batch)
-    tsh, dsh = target_shardings(tcfg, mesh), draft_shardings(dcfg, mesh) if dcfg is not None else None
-    ssh = programs.spec_state_shardings(tcfg, dcfg, mesh)
+    cfg = speculative.DecodeConfig(tcfg, dcfg, tree, sampling)
+    progs = programs.spec_programs(cfg, capacity, mesh)  # the engine's shardings
+    tsh, dsh, ssh = progs.target, progs.draft, progs.state
     tparams = abstract(with_dtype(target.param_specs(tcfg), dtype), tsh)
     dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), dsh) if dcfg is not None else None
-    cfg = speculative.DecodeConfig(tcfg, dcfg, tree, sampling)
     state = abstract(jax.eval_shape(lambda: speculative.empty_state(cfg, batch, capacity, dtype)), ssh)
 
     def one_cycle(tp, dp, s):

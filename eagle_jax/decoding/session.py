@@ -3,8 +3,8 @@
 A `Session` holds one row's target (and draft) KV caches at a fixed capacity. Each turn gets the whole
 conversation's token ids; the session keeps the longest prefix its caches already hold (the earlier
 turns, the answers it generated) and prefills only the rest, in chunks of a few fixed sizes. So the
-programs it runs do not depend on the conversation: one `extend` program per chunk size, and one cycle
-program per attention span of `schedule.all_spans` (plain decoding's cycle verifies the root alone).
+programs it runs do not depend on the conversation: one `extend` program per chunk size, and per attention span
+of `schedule.all_spans` one cycle (an answer streams cycle by cycle), or for plain decoding one loop of cycles.
 `warm_up` compiles exactly that set; afterwards no prompt length or number of turns compiles anything.
 
 Output equals decoding the conversation from scratch (`speculative.generate` with the same tree and
