@@ -115,7 +115,7 @@ def _main(argv: Sequence[str] | None) -> int:
     names = engine.programs()
     log(f"warm-up: {len(names)} programs compiled in {engine.warm_up():.1f} s ({', '.join(names)})")
     for n, tree in sorted(engine.envelope.items()):
-        log(f"  {n} live row{'s' if n > 1 else ''}: {envelope_name(tree)}")
+        log(f"  up to {n} live row{'s' if n > 1 else ''}: {envelope_name(tree)}")
     if jax.process_index() > 0:  # a multi-host server answers on process 0; the others decode in step with it
         log(f"process {jax.process_index()} of {jax.process_count()}: following process 0's engine")
         engine.follow()

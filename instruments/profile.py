@@ -60,7 +60,7 @@ def _forwards(tparams, cache, *, tcfg, width: int, span: int) -> tuple[kv_cache.
 
     def one(_, carry):
         cache, total = carry
-        tokens = jnp.broadcast_to(jnp.arange(3, 3 + width, dtype=jnp.int32), (cache.batch, width))
+        tokens = jnp.broadcast_to(jnp.arange(3, 3 + width, dtype=jnp.int32), (cache.lengths.shape[0], width))
         positions = cache.lengths[:, None] + jnp.arange(width)[None, :]
         out = target.forward(tparams, tcfg, tokens, positions, cache, span=span)
         return kv_cache.advance(out.cache, jnp.ones_like(cache.lengths)), total + jnp.sum(out.logits[..., :8])

@@ -33,3 +33,15 @@ def golden_target():
     from eagle_jax.io import hf
 
     return hf.load_target(GOLDEN / "target")
+
+
+@pytest.fixture(scope="module")
+def compiles():
+    """Names of backend compilations seen from now on (one entry per compiled program)."""
+    from jax import monitoring
+
+    seen: list[str] = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, **kw: seen.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+    )
+    return seen

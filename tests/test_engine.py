@@ -137,6 +137,36 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
     assert sum(a for row in res.accept_lengths for a in row) > 0  # some drafts were accepted
 
 
+def _rows_of(s: speculative.SpecState, rows: list[int]) -> dict[str, np.ndarray]:
+    """What a state holds for some rows: their values and their rows of both caches."""
+    out = {n: np.asarray(getattr(s, n))[rows] for n in ("root", "draft_hidden", "history", "out", "counts", "done")}
+    out["accept_lengths"] = np.asarray(s.accept_lengths)[:, rows]
+    for name in ("target_cache", "draft_cache"):
+        c = getattr(s, name)
+        out |= {f"{name}.lengths": np.asarray(c.lengths)[rows], f"{name}.k": np.asarray(c.k)[:, rows]}
+        out[f"{name}.v"] = np.asarray(c.v)[:, rows]
+    return out
+
+
+@pytest.mark.parametrize("envelope", [DynamicTree(8, 3, 2), DynamicTree(5, 4, 1, context=3), StaticTree()])
+def test_a_cycle_of_some_rows_equals_theirs_in_a_cycle_of_all(envelope):
+    """`cycle(..., rows)` computes only those rows: they end as in a cycle of every row, and the rest is untouched."""
+    tcfg, tparams = tiny_target(seed=5, vocab=48)
+    dcfg, dparams = tiny_draft("eagle3", tcfg, seed=6, draft_vocab=32)
+    cfg = speculative.DecodeConfig(tcfg, dcfg, envelope)
+    prompts = [[5, 6, 7, 5, 6] * 2, [9, 3], [4] * 7, [11, 12, 13, 11, 12, 13, 11]]
+    state = speculative.init_state(tparams, dparams, prompts, 12, cfg, seed=0, capacity=64)
+    state = speculative.cycle(tparams, dparams, state, cfg=cfg)[0]  # rows with caches of different lengths
+    rest, moved = _rows_of(state, [0, 2]), _rows_of(state, [1, 3])  # (the cycles donate the state)
+    every = _rows_of(speculative.cycle(tparams, dparams, jax.tree.map(jnp.copy, state), cfg=cfg)[0], [1, 3])
+    some = speculative.cycle(tparams, dparams, state, jnp.asarray([3, 1], jnp.int32), cfg=cfg)[0]
+    assert not np.array_equal(moved["out"], every["out"])  # those rows moved on
+    for rows, want in (([1, 3], every), ([0, 2], rest)):
+        for name, value in _rows_of(some, rows).items():  # floats: as computed in a batch of another size
+            tol = 1e-4 if value.dtype.kind == "f" and rows == [1, 3] else 0
+            np.testing.assert_allclose(value, want[name], rtol=tol, atol=tol, err_msg=name)
+
+
 def test_growing_attention_spans_are_lossless(monkeypatch):
     """300 new tokens for rows of different lengths cross spans 128 -> 256 -> 384. The programs each decoder
     compiles attend over exactly those spans (seen in the forwards they trace) and over the prompt bucket

@@ -22,6 +22,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from test_train import cli_env  # noqa: E402
 from tiny import plain_generate  # noqa: E402
 
+from eagle_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from eagle_jax.decoding.speculative import DecodeConfig  # noqa: E402
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft  # noqa: E402
 from eagle_jax.io import loading  # noqa: E402
@@ -43,9 +44,9 @@ QUESTIONS = [
 ]
 
 
-def envelope(live: int):
-    """A tree for one or two rows, a chain for three, plain decoding (the head following along) for four."""
-    return {1: DynamicTree(16, 4, 4), 2: DynamicTree(16, 4, 4), 3: DynamicTree(5, 3, 1)}.get(live, PLAIN)
+def envelope(rows: int):
+    """A tree for one live row, a chain for two, plain decoding (the head following along) for three or four."""
+    return {1: DynamicTree(16, 4, 4), 2: DynamicTree(5, 3, 1)}.get(rows, PLAIN)
 
 
 def free_port() -> int:
@@ -409,7 +410,6 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
     """Keys follow sequence positions, so a seeded sampled row gives the same tokens with a tree, a chain, context
     candidates with no head, or plain decoding (`NoDraft`): speculation leaves each row's sampling law as its own
     settings make it."""
-    from eagle_jax.decoding.sampling import SamplingConfig
 
     tcfg, tparams = golden_target
     dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
@@ -428,6 +428,29 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
             pass
     assert answers[0] == answers[2] == answers[4] == answers[6] and answers[1] == answers[3] == answers[5] == answers[7]
     assert answers[0] != answers[1] and len(answers[0]) == 40
+
+
+def test_cycles_compute_the_live_rows_and_compile_nothing_after_warm_up(golden_target, golden_dir, compiles):
+    """Cycles run on the live rows padded with idle ones to a bucket (1, 2, 4 or 8 of 8 slots), each bucket with
+    its own envelope; rows joining and leaving run only warmed programs and answer as plain decoding."""
+    tcfg, tparams = golden_target
+    dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
+    engine = batcher.Batcher(tparams, dparams, DecodeConfig(tcfg, dcfg), envelope, slots=8, capacity=128)
+    assert sorted(engine.envelope) == [1, 2, 4, 8] and [engine.bucket(n) for n in (1, 2, 3, 5)] == [1, 2, 4, 8]
+    engine.warm_up()
+    warm = len(compiles)
+    prompts = [list(range(5, 40)), list(range(100, 112)), list(range(300, 360)), [7, 8, 9] * 5]
+    outs = [[] for _ in prompts]
+    budgets = [60, 45, 30, 15]
+    for group in ((0,), (1, 2, 3)):  # 1 live row, then 4, 3, 2 and 1 as they finish
+        for i in group:
+            engine.submit(batcher.Request(prompts[i], budgets[i], SamplingConfig(), 0, outs[i].extend, print))
+        engine.step()
+    while engine.step():
+        pass
+    assert len(compiles) == warm, compiles[warm:]
+    for prompt, budget, out in zip(prompts, budgets, outs):
+        assert out == plain_generate(tparams, tcfg, [prompt], budget).tokens[0]
 
 
 def test_loadtest_reports_model_paths_without_the_machines_folders(tmp_path):
@@ -503,7 +526,6 @@ def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
     """Parameters and the rows' caches split over data=2, tensor=2: the batched answers equal plain decoding."""
     import jax
 
-    from eagle_jax.decoding.sampling import SamplingConfig
     from eagle_jax.parallel import sharding
 
     tcfg, tparams = golden_target

@@ -3,7 +3,6 @@
 import jax
 import numpy as np
 import pytest
-from jax import monitoring
 
 from eagle_jax.decoding import session, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -11,7 +10,6 @@ from eagle_jax.decoding.tree import PLAIN, DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
 
 TREE = DynamicTree(total_tokens=16, depth=4, top_k=4)
-COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CAPACITY = 512  # of the sessions and of the from-scratch references alike: each shape compiles once
 
 
@@ -22,16 +20,6 @@ def pair(golden_target, golden_dir):
     tcfg, tparams = golden_target
     dcfg, dparams = load_draft(golden_dir / "eagle3", tcfg)
     return tparams, tcfg, dparams, dcfg
-
-
-@pytest.fixture(scope="module")
-def compiles():
-    """Names of backend compilations seen from now on (one entry per compiled program)."""
-    seen: list[str] = []
-    monitoring.register_event_duration_secs_listener(
-        lambda name, secs, **kw: seen.append(name) if name == COMPILE_EVENT else None
-    )
-    return seen
 
 
 def test_chunk_plan():

@@ -56,6 +56,9 @@ class SpecState:
     controls: RowControls | None = None  # per-row sampling (a server's rows); None: the static setting and `key`
 
 
+_PER_ROW = ("root", "draft_hidden", "history", "out", "counts", "limits", "done", "eos", "controls")  # [B, ...]
+
+
 @dataclasses.dataclass(frozen=True)
 class SpecResult:
     tokens: list[list[int]]  # new tokens per row (exactly max_new_tokens unless eos came first)
@@ -191,6 +194,7 @@ def extend(
     limits,
     key,
     controls: RowControls | None = None,
+    rows: jax.Array | None = None,
     *,
     cfg: DecodeConfig,
 ) -> SpecState:
@@ -203,8 +207,17 @@ def extend(
     `prefill`) and closes the last pair. A row fed a chunk that is not its last waits (done) until it is.
     Rows fed nothing (n = 0) are left as they were. With `controls` (per-row sampling, a server's batch) the
     starting rows take their settings and seeds from it (`rows`: keys follow sequence positions). The tree of
-    `cfg` plays no part.
+    `cfg` plays no part. With `rows` [R] (distinct int32) only those rows are computed, and the per-row
+    arguments are theirs ([R], [R, C]); the others are left as they are.
     """
+    args = (start, tokens, next_tokens, n, final, limits, key, controls)
+    if rows is None:
+        return _extend(tparams, dparams, state, *args, cfg)
+    return put_rows(state, _extend(tparams, dparams, take_rows(state, rows), *args, cfg), rows)
+
+
+def _extend(tparams, dparams, state: SpecState, start, tokens, next_tokens, n, final, limits, key, controls, cfg):
+    """`extend` of every row."""
     tcfg, dcfg = cfg.tcfg, cfg.dcfg
     b, c = tokens.shape
     rows = jnp.arange(b)
@@ -431,9 +444,39 @@ def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, posit
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
-def cycle(tparams, dparams, state: SpecState, *, cfg: DecodeConfig, span: int | None = None) -> tuple[SpecState, Tree]:
-    """One jitted cycle (the streaming path)."""
-    return _cycle(tparams, dparams, state, cfg, span)
+def cycle(
+    tparams, dparams, state: SpecState, rows: jax.Array | None = None, *, cfg: DecodeConfig, span: int | None = None
+) -> tuple[SpecState, Tree]:
+    """One jitted cycle (the streaming path) of every row, or of `rows` [R] (distinct int32) only: a server's live
+    rows cost what R rows cost, and the others are left as they are."""
+    if rows is None:
+        return _cycle(tparams, dparams, state, cfg, span)
+    part, tr = _cycle(tparams, dparams, take_rows(state, rows), cfg, span)
+    return put_rows(state, part, rows), tr
+
+
+def take_rows(s: SpecState, rows: jax.Array) -> SpecState:
+    """The state of rows [R]: their values, and caches that are views of theirs (written in place)."""
+    pick = functools.partial(jax.tree.map, lambda a: a[rows])
+    return dataclasses.replace(
+        s,
+        target_cache=kv_cache.view(s.target_cache, rows),
+        draft_cache=None if s.draft_cache is None else kv_cache.view(s.draft_cache, rows),
+        **{name: pick(getattr(s, name)) for name in _PER_ROW},
+        accept_lengths=s.accept_lengths[:, rows],
+    )
+
+
+def put_rows(s: SpecState, part: SpecState, rows: jax.Array) -> SpecState:
+    """The whole state `s` with the state `part` of rows [R] (`take_rows`, then stepped) put back."""
+    put = functools.partial(jax.tree.map, lambda a, b: a.at[rows].set(b))
+    return dataclasses.replace(
+        part,
+        target_cache=kv_cache.merge(s.target_cache.lengths, part.target_cache),
+        draft_cache=None if s.draft_cache is None else kv_cache.merge(s.draft_cache.lengths, part.draft_cache),
+        **{name: put(getattr(s, name), getattr(part, name)) for name in _PER_ROW},
+        accept_lengths=s.accept_lengths.at[:, rows].set(part.accept_lengths),
+    )
 
 
 def run_loop(tparams, dparams, state: SpecState, cfg: DecodeConfig, span: int | None = None) -> SpecState:

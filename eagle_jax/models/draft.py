@@ -112,12 +112,14 @@ def forward(
     ck, cv = cache.k, cache.v
     if c.kind == "eagle3":
         p = params["layers"][0]
-        x, ck, cv = _layer(p, c, eagle3_input(p, c, emb, hidden), hidden, positions, ck, cv, 0, slots, full_mask, span)
+        x, ck, cv = _layer(
+            p, c, eagle3_input(p, c, emb, hidden), hidden, positions, ck, cv, cache.rows, 0, slots, full_mask, span
+        )
     else:
         x = linear(jnp.concatenate([emb, hidden], -1), params["fc"], params.get("fc_bias"))
         for i, p in enumerate(params["layers"]):
             h = rms_norm(x, p["input_norm"], c.rms_norm_eps) if i > 0 else x
-            x, ck, cv = _layer(p, c, h, x, positions, ck, cv, i, slots, full_mask, span)
+            x, ck, cv = _layer(p, c, h, x, positions, ck, cv, cache.rows, i, slots, full_mask, span)
     return x, dataclasses.replace(cache, k=ck, v=cv)
 
 
@@ -144,11 +146,12 @@ def post_attention(p: dict, c: DraftConfig, attn: jax.Array, residual: jax.Array
     return h + swiglu(rms_norm(h, p["mlp_norm"], c.rms_norm_eps), p["mlp"])
 
 
-def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, layer: int, slots, mask, span: int):
-    """One cached decoder layer on the (already normed) input x with `residual`."""
+def _layer(p, c: DraftConfig, x, residual, positions, ck, cv, rows, layer: int, slots, mask, span: int):
+    """One cached decoder layer on the (already normed) input x with `residual` (the cache's `rows`, or all)."""
     q, k, v = qkv(p, c, x, positions)
-    ck, cv = kv_cache.write(ck, cv, layer, slots, k, v)
-    return post_attention(p, c, attend(q, *kv_cache.keys_values(ck, cv, layer, span), mask), residual), ck, cv
+    ck, cv = kv_cache.write(ck, cv, layer, slots, k, v, rows)
+    attn = attend(q, *kv_cache.keys_values(ck, cv, layer, span, rows), mask)
+    return post_attention(p, c, attn, residual), ck, cv
 
 
 def logits(params: dict, c: DraftConfig, out: jax.Array, target_head: jax.Array | None) -> jax.Array:

@@ -6,6 +6,10 @@ slots lengths + offset + [0, T) and does not move `lengths`: the caller commits 
 
 A forward attends over the first `span` slots only (a static length, the whole capacity by default);
 `decoding.schedule` picks the spans.
+
+A cache may be a view of some of its rows (`view`): the arrays stay whole, `rows` [R] names the rows it
+reads and writes and `lengths` [R] are theirs. A cycle over a server's live rows computes R rows, not all
+of them, and writes in place; `merge` returns the whole cache.
 """
 
 from __future__ import annotations
@@ -23,15 +27,12 @@ from eagle_jax.errors import EagleError
 class KVCache:
     k: jax.Array  # [L, B, KV, S, D]: each head's keys contiguous, as attention reads them
     v: jax.Array  # [L, B, KV, S, D]
-    lengths: jax.Array  # [B] int32
+    lengths: jax.Array  # [R] int32 (R = B unless a view)
+    rows: jax.Array | None = None  # [R] int32: the rows of a view (None: every row)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[3]
-
-    @property
-    def batch(self) -> int:
-        return self.k.shape[1]
 
 
 CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
@@ -44,20 +45,45 @@ def init_cache(num_layers: int, batch: int, capacity: int, num_kv_heads: int, he
     return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
 
+def view(cache: KVCache, rows: jax.Array) -> KVCache:
+    """The view of rows [R] (int32, distinct) of a whole cache."""
+    return KVCache(cache.k, cache.v, cache.lengths[rows], rows)
+
+
+def merge(whole: jax.Array, part: KVCache) -> KVCache:
+    """The whole cache again from a view written in place, given the whole cache's lengths [B]."""
+    return KVCache(part.k, part.v, whole.at[part.rows].set(part.lengths))
+
+
+def _row_index(rows: jax.Array | None, n: int) -> jax.Array:
+    """[R] the cache rows of a view's R rows (all n rows without one)."""
+    return jnp.arange(n) if rows is None else rows
+
+
 def write(
-    cache_k: jax.Array, cache_v: jax.Array, layer: int, slots: jax.Array, k: jax.Array, v: jax.Array
+    cache_k: jax.Array,
+    cache_v: jax.Array,
+    layer: int,
+    slots: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    rows: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Scatter new entries k, v [B, T, KV, D] into layer `layer` at per-row slots [B, T]."""
+    """Scatter new entries k, v [R, T, KV, D] into layer `layer` at per-row slots [R, T] (of `rows`, or every row)."""
     b, _, kv, _ = k.shape
-    index = (layer, jnp.arange(b)[:, None, None], jnp.arange(kv)[None, :, None], slots[:, None, :])  # [B, KV, T]
+    index = (layer, _row_index(rows, b)[:, None, None], jnp.arange(kv)[None, :, None], slots[:, None, :])  # [R, KV, T]
     cache_k = cache_k.at[index].set(jnp.swapaxes(k, 1, 2).astype(cache_k.dtype), mode="drop")
     cache_v = cache_v.at[index].set(jnp.swapaxes(v, 1, 2).astype(cache_v.dtype), mode="drop")
     return cache_k, cache_v
 
 
-def keys_values(cache_k: jax.Array, cache_v: jax.Array, layer: int, span: int) -> tuple[jax.Array, jax.Array]:
-    """Layer `layer`'s first `span` slots: k, v [B, KV, span, D]."""
-    return cache_k[layer, :, :, :span], cache_v[layer, :, :, :span]
+def keys_values(
+    cache_k: jax.Array, cache_v: jax.Array, layer: int, span: int, rows: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s first `span` slots: k, v [R, KV, span, D] (of `rows`, or every row)."""
+    if rows is None:
+        return cache_k[layer, :, :, :span], cache_v[layer, :, :, :span]
+    return cache_k[layer, rows, :, :span], cache_v[layer, rows, :, :span]
 
 
 def advance(cache: KVCache, n: jax.Array) -> KVCache:
@@ -77,15 +103,11 @@ def compact(cache: KVCache, src: jax.Array) -> KVCache:
     """
     b, n = src.shape
     start = cache.lengths[:, None]
-    src_slots = jnp.clip(start + src, 0, cache.capacity - 1)[None, :, None, :, None]  # [1, B, 1, N, 1]
-    dst = (
-        slice(None),
-        jnp.arange(b)[:, None, None],
-        jnp.arange(cache.k.shape[2])[None, :, None],
-        (start + jnp.arange(n)[None, :])[:, None, :],
-    )  # [B, KV, N] after the layer axis
-    moved_k = jnp.take_along_axis(cache.k, src_slots, axis=3)  # [L, B, KV, N, D]
-    moved_v = jnp.take_along_axis(cache.v, src_slots, axis=3)
+    rows, heads = _row_index(cache.rows, b)[:, None, None], jnp.arange(cache.k.shape[2])[None, :, None]
+    src_slots = jnp.clip(start + src, 0, cache.capacity - 1)[:, None, :]  # [R, 1, N]
+    dst = (slice(None), rows, heads, (start + jnp.arange(n)[None, :])[:, None, :])  # [R, KV, N] after the layer axis
+    moved_k = cache.k[:, rows, heads, src_slots]  # [L, R, KV, N, D]
+    moved_v = cache.v[:, rows, heads, src_slots]
     return dataclasses.replace(
         cache, k=cache.k.at[dst].set(moved_k, mode="drop"), v=cache.v.at[dst].set(moved_v, mode="drop")
     )
@@ -116,8 +138,8 @@ def write_path(cache: KVCache, k: jax.Array, v: jax.Array, path: jax.Array) -> K
     layer (a tree's accepted path, root first, committed in one scatter; slots past what is committed stay
     beyond `lengths` until overwritten)."""
     b, p = path.shape
-    index = path[:, None, :, None]  # [B, 1, P, 1]
-    rows, heads = jnp.arange(b)[:, None, None], jnp.arange(k.shape[2])[None, :, None]
+    index = path[:, None, :, None]  # [R, 1, P, 1]
+    rows, heads = _row_index(cache.rows, b)[:, None, None], jnp.arange(k.shape[2])[None, :, None]
     dst = (slice(None), rows, heads, (cache.lengths[:, None] + jnp.arange(p)[None, :])[:, None, :])  # [B, KV, P]
     picked = [jnp.take_along_axis(a, index[None], axis=3) for a in (k, v)]  # [L, B, KV, P, D]
     return dataclasses.replace(

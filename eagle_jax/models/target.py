@@ -117,12 +117,22 @@ def causal_mask(batch: int, t: int) -> jax.Array:
 
 
 def _attention(
-    p: dict, cfg: TargetConfig, x: jax.Array, positions: jax.Array, cache_k, cache_v, layer, slots, mask, span: int
+    p: dict,
+    cfg: TargetConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    cache_k,
+    cache_v,
+    rows,
+    layer,
+    slots,
+    mask,
+    span: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention of x [B, T, H]: with `slots`, the new entries are written there and the queries read the
-    cache's first `span` slots under `mask` [B, T, span]; with slots None the cache is only read, under
-    mask = (committed [B, 1, span], among the new tokens [B, T, T]), and the new entries [B, KV, T, D] come
-    back instead of the cache."""
+    """Attention of x [B, T, H] (the cache's `rows`, or all): with `slots`, the new entries are written there and
+    the queries read the cache's first `span` slots under `mask` [B, T, span]; with slots None the cache is only
+    read, under mask = (committed [B, 1, span], among the new tokens [B, T, T]), and the new entries
+    [B, KV, T, D] come back instead of the cache."""
     b, t, _ = x.shape
     q = linear(x, p["q"], p.get("q_bias")).reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = linear(x, p["k"], p.get("k_bias")).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
@@ -134,23 +144,23 @@ def _attention(
     k = apply_rope(k, positions, cfg.rope)
     if slots is None:
         k, v = (jnp.swapaxes(a, 1, 2).astype(cache_k.dtype) for a in (k, v))  # [B, KV, T, D]
-        out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span), mask[0], (k, v, mask[1]))
+        out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span, rows), mask[0], (k, v, mask[1]))
         cache_k, cache_v = k, v
     else:
-        cache_k, cache_v = kv_cache.write(cache_k, cache_v, layer, slots, k, v)
-        out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span), mask)  # [B, T, N, D]
+        cache_k, cache_v = kv_cache.write(cache_k, cache_v, layer, slots, k, v, rows)
+        out = attend(q, *kv_cache.keys_values(cache_k, cache_v, layer, span, rows), mask)  # [B, T, N, D]
     out = linear(out.reshape(b, t, -1), p["o"], p.get("o_bias"))
     return out, cache_k, cache_v
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "span"))
-def _decoder_layer(p: dict, cfg: TargetConfig, x: jax.Array, positions, ck, cv, layer, slots, mask, span: int):
+def _decoder_layer(p: dict, cfg: TargetConfig, x: jax.Array, positions, ck, cv, rows, layer, slots, mask, span: int):
     """One pre-norm decoder layer: attention then (dense or sparse) MLP, each with a residual.
 
     Jitted with the layer index as an argument, so a forward traces and lowers one layer, not every layer
     (XLA inlines the calls: the compiled program is the same)."""
     attn, ck, cv = _attention(
-        p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ck, cv, layer, slots, mask, span
+        p, cfg, rms_norm(x, p["attn_norm"], cfg.rms_norm_eps), positions, ck, cv, rows, layer, slots, mask, span
     )
     x = x + attn
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
@@ -208,7 +218,7 @@ def forward(
     for i, p in enumerate(params["layers"]):
         if i in feature_layers:
             inputs[i] = x
-        x, k, v = _decoder_layer(p, cfg, x, positions, ck, cv, i, slots, full_mask, span)
+        x, k, v = _decoder_layer(p, cfg, x, positions, ck, cv, cache.rows, i, slots, full_mask, span)
         if write:
             ck, cv = k, v
         else:

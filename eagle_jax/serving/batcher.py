@@ -2,14 +2,16 @@
 
 One engine thread owns the device state (`speculative.SpecState` with per-row sampling controls, fixed
 capacity). Between cycles it brings waiting requests into free slots with the chunked prefill of
-`speculative.extend` (the other rows are untouched), picks the tree envelope for the number of live rows
-from the measured budget (`PLAIN`, plain decoding that keeps the head's context, where no tree wins),
-runs one cycle over the attention span the live rows need, and hands each row its new tokens. A finished,
-stopped or cancelled row frees its slot at once. A free slot keeps its caches: a new request sharing a
-prefix with what a slot last held (the next turn of a conversation) prefills only the rest.
+`speculative.extend` (computed on that slot's row alone), and runs one cycle on the live rows only: their
+count rounded up to a bucket (a power of two, or every slot), with the tree envelope the measured budget
+chose for that many rows (`PLAIN`, plain decoding that keeps the head's context, where no tree wins), over
+the attention span the live rows need. One live row among eight slots costs one row's cycle, as in the
+budget's calibration. Each row gets its new tokens; a finished, stopped or cancelled row frees its slot at
+once. A free slot keeps its caches: a new request sharing a prefix with what a slot last held (the next turn
+of a conversation) prefills only the rest.
 
 Every program the loop can run is compiled by `warm_up`: one `extend` per chunk size, one cycle per
-(envelope, span), and the program that retires rows. Nothing compiles afterwards.
+(bucket, span), and the program that retires rows. Nothing compiles afterwards.
 """
 
 from __future__ import annotations
@@ -126,6 +128,14 @@ def retire(state: speculative.SpecState, rows: jax.Array) -> speculative.SpecSta
     return dataclasses.replace(state, done=state.done | rows)
 
 
+def buckets(slots: int, mesh: Mesh | None) -> tuple[int, ...]:
+    """The row counts a cycle is compiled for: powers of two below `slots`, and `slots`. On a mesh that splits
+    the rows over devices every cycle runs every row (gathering rows would move them between devices)."""
+    if mesh is not None and sharding.data_parallelism(mesh) > 1:
+        return (slots,)
+    return (*(1 << k for k in range((slots - 1).bit_length()) if 1 << k < slots), slots)
+
+
 def check_hosts(mesh: Mesh | None) -> None:
     """A server on several processes decodes on one mesh over all their devices."""
     if distributed.is_multi_host() and mesh is None:
@@ -157,8 +167,7 @@ class Batcher:
                 f"{capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it", "capacity"
             )
         self.slots, self.capacity, self.chunks, self.max_queue = slots, capacity, tuple(chunks), max_queue
-        live = range(1, slots + 1)
-        self.envelope = {n: envelopes(n) if speculate else PLAIN for n in live}
+        self.envelope = {n: envelopes(n) if speculate else PLAIN for n in buckets(slots, mesh)}  # rows -> tree
         if not any(t.needs_head for t in self.envelope.values()):  # no tree grows from the head: leave it out
             dparams = dcfg = None
         self.tparams, self.dparams = tparams, dparams
@@ -233,9 +242,9 @@ class Batcher:
     # ------------------------------------------------------------ programs
 
     def programs(self) -> list[str]:
-        trees = sorted({str(t) for t in self.envelope.values()})
         spans = schedule.all_spans(self.capacity)
-        names = [f"extend {c}" for c in self.chunks] + [f"cycle {t} span {s}" for t in trees for s in spans]
+        cycles = [f"cycle {t} rows {n} span {s}" for n, t in self.envelope.items() for s in spans]
+        names = [f"extend {c}" for c in self.chunks] + cycles
         return names + ["retire"] + [f"broadcast {n} bytes" for n in self._message_sizes()]
 
     def _message_sizes(self) -> list[int]:
@@ -248,14 +257,13 @@ class Batcher:
     def warm_up(self) -> float:
         """Compile every program the loop can run, by running each once on idle rows; returns the seconds."""
         t0 = time.perf_counter()
-        rows = np.ones(self.slots, bool)
         for size in self.chunks:
             piece = session.Piece(0, np.ones(size, np.int32), np.ones(size, np.int32), size, True)
-            self._feed(0, piece, 1, RowControls.of([STATIC_SAMPLING] * self.slots, [0] * self.slots))
-        for tree in dict.fromkeys(self.envelope.values()):  # in one order on every process
+            self._feed(0, piece, 1, RowControls.of([STATIC_SAMPLING], [0]))
+        for n, tree in self.envelope.items():  # in one order on every process
             for span in schedule.all_spans(self.capacity):
-                self.state = self._cycle(tree, span)
-        self.state = retire(self.state, rows)
+                self.state = self._cycle(tree, span, list(range(n)))
+        self.state = retire(self.state, np.ones(self.slots, bool))
         self._outputs()
         for size in self._message_sizes():
             distributed.broadcast(bytes(size))
@@ -263,29 +271,34 @@ class Batcher:
         return time.perf_counter() - t0
 
     def _feed(self, slot: int, piece: session.Piece, limit: int, controls: RowControls) -> None:
-        b, size = self.slots, piece.tokens.shape[0]
-        tokens, follow = np.zeros((b, size), np.int32), np.zeros((b, size), np.int32)
-        tokens[slot], follow[slot] = piece.tokens, piece.follow
-        start, n, final, limits = (np.zeros(b, np.int32) for _ in range(4))
-        start[slot], n[slot], final[slot], limits[slot] = piece.start, piece.n, piece.final, limit
+        """Feed a piece of a prompt into one slot's row (`controls`: that row's)."""
         self.state = speculative.extend(
             self.tparams,
             self.dparams,
             self.state,
-            start,
-            tokens,
-            follow,
-            n,
-            final.astype(bool),
-            limits,
+            np.asarray([piece.start], np.int32),
+            piece.tokens[None],
+            piece.follow[None],
+            np.asarray([piece.n], np.int32),
+            np.asarray([piece.final]),
+            np.asarray([limit], np.int32),
             jax.random.key(0),
             controls,
+            np.asarray([slot], np.int32),
             cfg=self.cfg,
         )
 
-    def _cycle(self, tree: TreeConfig, span: int) -> speculative.SpecState:
+    def bucket(self, live: int) -> int:
+        """The rows a cycle computes for `live` live rows."""
+        return min(b for b in self.envelope if b >= live)
+
+    def _cycle(self, tree: TreeConfig, span: int, live: list[int]) -> speculative.SpecState:
+        """One cycle of the live rows, padded with idle ones to a bucket (every slot: the whole state)."""
+        n = self.bucket(len(live))
+        idle = [s for s in range(self.slots) if s not in live]
+        rows = None if n == self.slots else np.asarray(sorted(live + idle[: n - len(live)]), np.int32)
         cfg = dataclasses.replace(self.cfg, tree=tree)
-        return speculative.cycle(self.tparams, self.dparams, self.state, cfg=cfg, span=span)[0]
+        return speculative.cycle(self.tparams, self.dparams, self.state, rows, cfg=cfg, span=span)[0]
 
     # ------------------------------------------------------------ the loop
 
@@ -293,10 +306,7 @@ class Batcher:
         """Prefill a request into a free slot (keeping what the slot's caches share with its prompt)."""
         keep = session.reusable(self.cached[slot], req.prompt)
         limit = min(req.max_tokens, self.capacity - self.overhead - len(req.prompt))
-        settings = [STATIC_SAMPLING] * self.slots
-        seeds = [0] * self.slots
-        settings[slot], seeds[slot] = req.sampling, req.seed
-        controls = RowControls.of(settings, seeds)
+        controls = RowControls.of([req.sampling], [req.seed])
         for piece in session.pieces(req.prompt, keep, self.chunks):
             self._feed(slot, piece, limit, controls)
         self.rows[slot], self.shown[slot], self.cached[slot] = req, 0, list(req.prompt)
@@ -340,11 +350,11 @@ class Batcher:
         live = [s for s, r in enumerate(self.rows) if r is not None]
         if not live:
             return False
-        tree = self.envelope[len(live)]
+        tree = self.envelope[self.bucket(len(live))]
         needed = speculative.host_slots_needed(self.state, tree)
         span = schedule.attention_span(int(needed[live].max()), self.capacity)
         t0 = time.perf_counter()
-        self.state = self._cycle(tree, span)
+        self.state = self._cycle(tree, span, live)
         counts, done, eos, out = self._outputs()
         self.stats.cycle_seconds += time.perf_counter() - t0
         self.stats.cycles += 1
