@@ -34,9 +34,9 @@ def print_ids(new: list[list[int]]) -> None:
 
 
 def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) -> None:
-    """Multi-turn chat on stdin/stdout. One `session.Session` keeps the conversation's caches: a turn
-    prefills only its new tokens, and after the start-up warm-up nothing compiles. The oldest turns are
-    dropped when the conversation outgrows the cache."""
+    """Multi-turn chat on stdin/stdout. One `session.Session` keeps the conversation's caches: a turn prefills only
+    its new tokens. Every program starts compiling at once, in the background: the first turn waits only for its own,
+    and no later turn compiles anything."""
     capacity = s.max_len or min(CHAT_MAX_LEN, m.tcfg.rope.max_position_embeddings)
     talk = session.Session(
         m.tparams,
@@ -45,16 +45,23 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
         capacity=capacity,
         mesh=m.mesh,
     )
-    interactive = sys.stdin.isatty()
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 read as U+FFFD, not a crash
     print(f"chatting with {pair_name(m, s.tree)}; /exit or end of input quits", file=sys.stderr)
     names = talk.programs()
-    print(
-        f"warm-up: {len(names)} programs ({', '.join(names)}) compiled in {talk.warm_up():.1f} s",
-        file=sys.stderr,
-        flush=True,
-    )
+    talk.warm_up(wait=False)  # a turn waits only for the programs it runs
+    print(f"warm-up: compiling {len(names)} programs ({', '.join(names)})", file=sys.stderr, flush=True)
+    try:
+        converse(talk, tok, s, use_template, system)
+    finally:
+        talk.compiled.cancel()  # quitting waits only for a compilation under way
+
+
+def converse(talk: session.Session, tok, s: Settings, use_template: bool, system: str | None) -> None:
+    """Turns read from stdin until /exit or the end of input; the oldest turns are dropped when the conversation
+    outgrows the session's cache."""
+    capacity = talk.capacity
+    interactive = sys.stdin.isatty()
     history: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
     first = 1 if system else 0
     while True:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -113,7 +115,15 @@ def _main(argv: Sequence[str] | None) -> int:
         mesh=mesh,
     )
     names = engine.programs()
-    log(f"warm-up: {len(names)} programs compiled in {engine.warm_up():.1f} s ({', '.join(names)})")
+    started = time.perf_counter()
+    engine.warm_up(wait=False)  # a request waits only for the programs its cycles run
+    log(f"warm-up: compiling {len(names)} programs in the background ({', '.join(names)})")
+
+    def compiled() -> None:
+        engine.compiled.wait()
+        log(f"warm-up: {len(names)} programs compiled in {time.perf_counter() - started:.1f} s")
+
+    threading.Thread(target=compiled, daemon=True).start()
     for n, tree in sorted(engine.envelope.items()):
         log(f"  up to {n} live row{'s' if n > 1 else ''}: {envelope_name(tree)}")
     if jax.process_index() > 0:  # a multi-host server answers on process 0; the others decode in step with it

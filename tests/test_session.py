@@ -1,10 +1,12 @@
 """Conversations kept on device: chunked prefill, caches across turns, no compilation after warm-up."""
 
+import threading
+
 import jax
 import numpy as np
 import pytest
 
-from eagle_jax.decoding import session, speculative
+from eagle_jax.decoding import programs, session, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
@@ -139,6 +141,60 @@ def test_nothing_compiles_after_warm_up(pair, compiles, tree):
     for length in (10, 170, 900, 1900):
         _conversation(talk, length, 2, 24, rng)
     assert len(compiles) == warm, compiles[warm:]
+
+
+def test_the_first_turn_waits_only_for_its_own_programs(pair, compiles):
+    """Compiling in the background (`warm_up(wait=False)`), a turn starts at once and runs its programs as they are
+    compiled: the answer is the same, and each program compiles exactly once however the turn and the workers
+    race (a distinct capacity: programs no other test compiled)."""
+    tparams, tcfg, dparams, dcfg = pair
+    cfg = speculative.DecodeConfig(tcfg, dcfg, TREE)
+    talk = session.Session(tparams, dparams, cfg, capacity=384, chunks=(48, 8))
+    before = len(compiles)
+    talk.warm_up(wait=False)
+    prompt = list(range(20, 90))
+    answer = [t for piece in talk.reply(prompt, 16) for t in piece]
+    talk.compiled.wait()
+    assert len(compiles) - before == len(talk.programs()) == 2 + 3, compiles[before:]
+    assert answer == speculative.generate(tparams, dparams, [prompt], 16, cfg, capacity=384).tokens[0]
+
+
+class Gated:
+    """A stand-in for a jitted function whose compilation waits for a gate; calling it directly is an error."""
+
+    def __init__(self):
+        self.gate, self.compiled = threading.Event(), 0
+
+    def lower(self, *shapes, **static):
+        return self
+
+    def compile(self):
+        self.gate.wait(timeout=30)
+        self.compiled += 1
+        return lambda *args: ("compiled", len(args))
+
+    def __call__(self, *args, **static):
+        raise AssertionError("compiled again on the caller's thread")
+
+
+def test_a_call_waits_for_its_program_and_nothing_compiles_twice():
+    """A program under compilation on a worker is waited for, not compiled again by its caller; asked again, the
+    same compilation; `cancel` drops the compilations not yet begun."""
+    fn, ahead, got = Gated(), programs.Precompiled(), []
+    ahead.submit("p", fn, np.ones(3))
+    caller = threading.Thread(target=lambda: got.append(ahead("p", fn, np.ones(3))))
+    caller.start()
+    caller.join(timeout=0.3)
+    assert caller.is_alive() and not got  # waiting for the worker
+    fn.gate.set()
+    caller.join(timeout=30)
+    assert got == [("compiled", 1)] and fn.compiled == 1
+    assert programs.Precompiled()("q", fn, np.ones(3)) == ("compiled", 1) and fn.compiled == 1  # the same shapes
+    blocked, many = Gated(), programs.Precompiled()
+    for n in range(8):
+        many.submit(f"p{n}", blocked, np.ones(n + 10))
+    assert 0 < many.cancel() < 8  # those under way go on
+    blocked.gate.set()
 
 
 def test_bad_sessions(pair):

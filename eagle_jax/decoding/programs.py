@@ -12,8 +12,11 @@ zero budget: done before the first cycle) and the result drops them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
+import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +114,62 @@ def spec_programs(cfg: DecodeConfig, capacity: int, mesh: Mesh) -> SpecPrograms:
         donate_argnums=(2,),
     )
     return SpecPrograms(tsh, dsh, ssh, rows, replicated, prefill, run)
+
+
+# Programs compiled ahead of time: lowered on arguments shaped like the real ones and compiled on worker threads,
+# so nothing runs to compile them, several compile at once (XLA compiles a program on one core), and a program a
+# caller needs first is not held up by the rest. JAX's persistent cache serves a second start.
+_COMPILER = concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="eagle-jax-compile")
+_COMPILED: dict[tuple, concurrent.futures.Future] = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def _shape(x: Any) -> jax.ShapeDtypeStruct:
+    """An argument's shape, dtype and placement (none for one device's: jit moves those where they are needed)."""
+    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype)
+
+
+def compile_ahead(fn: Any, *args: Any, **static: Any) -> concurrent.futures.Future:
+    """The jitted `fn` compiled for arguments shaped (and placed) like `args`, with its static arguments `static`,
+    on a worker thread: a future of the executable (called with `args` alone). Asked again, the same future."""
+    leaves, tree = jax.tree.flatten(args)
+    shapes = [_shape(x) for x in leaves]
+    key = (fn, tuple(sorted(static.items())), tree, tuple(shapes))
+    with _COMPILED_LOCK:
+        if key not in _COMPILED:
+            _COMPILED[key] = _COMPILER.submit(lambda: fn.lower(*tree.unflatten(shapes), **static).compile())
+        return _COMPILED[key]
+
+
+class Precompiled:
+    """Named programs compiled ahead of time (`compile_ahead`): `submit` starts one, calling one waits for its own
+    compilation only (starting it if nobody has), `wait` for all that were started."""
+
+    def __init__(self):
+        self._started: dict[str, concurrent.futures.Future] = {}
+        self._ready: dict[str, Any] = {}
+
+    def submit(self, name: str, fn: Any, *args: Any, **static: Any) -> None:
+        if name not in self._started:
+            self._started[name] = compile_ahead(fn, *args, **static)
+
+    def __call__(self, name: str, fn: Any, *args: Any, **static: Any) -> Any:
+        """fn(*args, **static) with the program compiled for `name`."""
+        program = self._ready.get(name)
+        if program is None:
+            self.submit(name, fn, *args, **static)
+            program = self._ready[name] = self._started[name].result()
+        return program(*args)
+
+    def wait(self) -> None:
+        for future in list(self._started.values()):
+            future.result()
+
+    def cancel(self) -> int:
+        """Drop the compilations not yet begun (a process that ends waits for those under way only); how many."""
+        return sum(future.cancel() for future in self._started.values())
 
 
 @functools.lru_cache(maxsize=16)

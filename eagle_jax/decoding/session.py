@@ -5,7 +5,8 @@ conversation's token ids; the session keeps the longest prefix its caches alread
 turns, the answers it generated) and prefills only the rest, in chunks of a few fixed sizes. So the
 programs it runs do not depend on the conversation: one `extend` program per chunk size, and per attention span
 of `schedule.all_spans` one cycle (an answer streams cycle by cycle), or for plain decoding one loop of cycles.
-`warm_up` compiles exactly that set; afterwards no prompt length or number of turns compiles anything.
+`warm_up` compiles exactly that set ahead of time, on worker threads (`programs.Precompiled`: nothing runs, and
+a turn waits only for the programs it needs); afterwards no prompt length or number of turns compiles anything.
 
 Output equals decoding the conversation from scratch (`speculative.generate` with the same tree and
 seed): the caches hold the same tokens at the same positions, and each turn samples with the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -116,6 +117,7 @@ class Session:
             layout = programs.spec_state_shardings(self.cfg.tcfg, self.cfg.dcfg, mesh)
             self.state = jax.device_put(self.state, layout)
         self._key = jax.random.key(0)
+        self.compiled = programs.Precompiled()
         self.cached: list[int] = []  # token ids the caches hold (positions 0..), the last answer included
         self.turns = 0
 
@@ -125,42 +127,46 @@ class Session:
 
     def programs(self) -> list[str]:
         """The compiled set: one prefill program per chunk size, one cycle (plain decoding: one loop) per span."""
-        kind = "cycle" if self.cfg.tree.drafts else "decode loop"
-        return [f"extend {c}" for c in self.chunks] + [f"{kind} span {s}" for s in self.spans]
+        return [f"extend {c}" for c in self.chunks] + [self._loop(s)[0] for s in self.spans]
 
-    def warm_up(self) -> float:
-        """Compile every program this session can run (by running each once); returns the seconds taken."""
+    def warm_up(self, wait: bool = True) -> float:
+        """Compile every program this session can run, ahead of time on worker threads (the first turn's first);
+        with `wait`, until all are compiled. Returns the seconds taken."""
         t0 = time.perf_counter()
         for size in self.chunks:
-            self._extend([1] * size, 0, np.int32(1), jax.random.key(0))
+            piece = Piece(0, np.ones(size, np.int32), np.ones(size, np.int32), size, True)
+            self.compiled.submit(f"extend {size}", speculative.extend, *self._feed(piece, 1, self._key), cfg=self.cfg)
         for span in self.spans:
-            self.state = self._cycle(span)
-            jax.block_until_ready(self.state)
-        self.cached = []
+            name, fn = self._loop(span)
+            self.compiled.submit(name, fn, self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)
+        if wait:
+            self.compiled.wait()
         return time.perf_counter() - t0
 
-    def _extend(self, prompt: list[int], keep: int, limit: np.int32, key: jax.Array) -> None:
+    def _feed(self, piece: Piece, limit: int, key: jax.Array) -> tuple:
+        """`speculative.extend`'s arguments that feed one piece of a prompt."""
+        start, n, limits = (np.array([x], np.int32) for x in (piece.start, piece.n, limit))
+        rest = (piece.tokens[None], piece.follow[None], n, np.array([piece.final]), limits, key)
+        return (self.tparams, self.dparams, self.state, start, *rest)
+
+    def _extend(self, prompt: list[int], keep: int, limit: int, key: jax.Array) -> None:
         """Cut the caches to `keep` tokens and feed prompt[keep:] in chunks; the last chunk starts the turn."""
         for piece in pieces(prompt, keep, self.chunks):
-            common = (np.array([piece.start], np.int32), piece.tokens[None])
-            rest = (np.array([piece.n], np.int32), np.array([piece.final]), np.array([limit], np.int32), key)
-            self.state = speculative.extend(
-                self.tparams,
-                self.dparams,
-                self.state,
-                *common,
-                piece.follow[None],
-                *rest,
-                cfg=self.cfg,
-            )
+            name = f"extend {piece.tokens.shape[0]}"
+            self.state = self.compiled(name, speculative.extend, *self._feed(piece, limit, key), cfg=self.cfg)
 
-    def _cycle(self, span: int):
-        """Cycles attending over `span` slots: one, so that a speculative answer streams cycle by cycle; for plain
-        decoding as many as the span holds, in one on-device loop (a host round trip per token costs a small model
-        as much as its step: `results/one_path/README.md`, chat)."""
-        if not self.cfg.tree.drafts:
-            return speculative.run_span(self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)
-        return speculative.cycle(self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)[0]
+    def _loop(self, span: int) -> tuple[str, Callable]:
+        """The program that cycles attending over `span` slots: one cycle, so that a speculative answer streams
+        cycle by cycle; for plain decoding as many as the span holds, in one on-device loop (a host round trip per
+        token costs a small model as much as its step: `results/one_path/README.md`, chat)."""
+        if self.cfg.tree.drafts:
+            return f"cycle span {span}", speculative.cycle
+        return f"decode loop span {span}", speculative.run_span
+
+    def _cycle(self, span: int) -> speculative.SpecState:
+        name, fn = self._loop(span)
+        out = self.compiled(name, fn, self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)
+        return out[0] if self.cfg.tree.drafts else out
 
     def reply(self, prompt: Sequence[int], max_new_tokens: int, seed: int = 0) -> Iterator[list[int]]:
         """Answer the conversation `prompt` (all its token ids so far): yields new tokens as they are

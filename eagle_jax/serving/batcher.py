@@ -10,8 +10,8 @@ budget's calibration. Each row gets its new tokens; a finished, stopped or cance
 once. A free slot keeps its caches: a new request sharing a prefix with what a slot last held (the next turn
 of a conversation) prefills only the rest.
 
-Every program the loop can run is compiled by `warm_up`: one `extend` per chunk size, one cycle per
-(bucket, span), and the program that retires rows. Nothing compiles afterwards.
+Every program the loop can run is compiled by `warm_up`, ahead of time on worker threads: one `extend` per chunk
+size, one cycle per (bucket, span), and the program that retires rows. Nothing compiles afterwards.
 """
 
 from __future__ import annotations
@@ -196,6 +196,7 @@ class Batcher:
         self.stats = Stats()
         self.running = False
         self.thread: threading.Thread | None = None
+        self.compiled = programs.Precompiled()
 
     # ------------------------------------------------------------ requests
 
@@ -254,51 +255,48 @@ class Batcher:
         largest = distributed.message_size(SlotChanges.max_bytes(self.slots, self.capacity))
         return [distributed.MIN_MESSAGE << k for k in range((largest // distributed.MIN_MESSAGE).bit_length())]
 
-    def warm_up(self) -> float:
-        """Compile every program the loop can run, by running each once on idle rows; returns the seconds."""
+    def warm_up(self, wait: bool = True) -> float:
+        """Compile every program the loop can run, ahead of time on worker threads (nothing runs); with `wait`,
+        until all are compiled (else a cycle waits for its own). Returns the seconds taken."""
         t0 = time.perf_counter()
         for size in self.chunks:
             piece = session.Piece(0, np.ones(size, np.int32), np.ones(size, np.int32), size, True)
-            self._feed(0, piece, 1, RowControls.of([STATIC_SAMPLING], [0]))
-        for n, tree in self.envelope.items():  # in one order on every process
+            args = self._feed_args(0, piece, 1, RowControls.of([STATIC_SAMPLING], [0]))
+            self.compiled.submit(f"extend {size}", speculative.extend, *args, cfg=self.cfg)
+        for n, tree in self.envelope.items():
             for span in schedule.all_spans(self.capacity):
-                self.state = self._cycle(tree, span, list(range(n)))
-        self.state = retire(self.state, np.ones(self.slots, bool))
+                name, args, static = self._cycle_call(tree, span, list(range(n)))
+                self.compiled.submit(name, speculative.cycle, *args, **static)
+        self.compiled.submit("retire", retire, self.state, np.zeros(self.slots, bool))
         self._outputs()
-        for size in self._message_sizes():
+        for size in self._message_sizes():  # collectives: in one order on every process
             distributed.broadcast(bytes(size))
-        self.cached = [[] for _ in range(self.slots)]
+        if wait:
+            self.compiled.wait()
         return time.perf_counter() - t0
 
-    def _feed(self, slot: int, piece: session.Piece, limit: int, controls: RowControls) -> None:
-        """Feed a piece of a prompt into one slot's row (`controls`: that row's)."""
-        self.state = speculative.extend(
-            self.tparams,
-            self.dparams,
-            self.state,
-            np.asarray([piece.start], np.int32),
-            piece.tokens[None],
-            piece.follow[None],
-            np.asarray([piece.n], np.int32),
-            np.asarray([piece.final]),
-            np.asarray([limit], np.int32),
-            jax.random.key(0),
-            controls,
-            np.asarray([slot], np.int32),
-            cfg=self.cfg,
-        )
+    def _feed_args(self, slot: int, piece: session.Piece, limit: int, controls: RowControls) -> tuple:
+        """`speculative.extend`'s arguments that feed a piece of a prompt into one slot's row (`controls`: its)."""
+        start, n, limits, rows = (np.asarray([x], np.int32) for x in (piece.start, piece.n, limit, slot))
+        fed = (start, piece.tokens[None], piece.follow[None], n, np.asarray([piece.final]), limits)
+        return (self.tparams, self.dparams, self.state, *fed, jax.random.key(0), controls, rows)
 
     def bucket(self, live: int) -> int:
         """The rows a cycle computes for `live` live rows."""
         return min(b for b in self.envelope if b >= live)
 
-    def _cycle(self, tree: TreeConfig, span: int, live: list[int]) -> speculative.SpecState:
-        """One cycle of the live rows, padded with idle ones to a bucket (every slot: the whole state)."""
+    def _cycle_call(self, tree: TreeConfig, span: int, live: list[int]) -> tuple[str, tuple, dict]:
+        """(name, arguments, static arguments) of `speculative.cycle` on the live rows, padded with idle ones to a
+        bucket (every slot: the whole state)."""
         n = self.bucket(len(live))
         idle = [s for s in range(self.slots) if s not in live]
         rows = None if n == self.slots else np.asarray(sorted(live + idle[: n - len(live)]), np.int32)
-        cfg = dataclasses.replace(self.cfg, tree=tree)
-        return speculative.cycle(self.tparams, self.dparams, self.state, rows, cfg=cfg, span=span)[0]
+        static = {"cfg": dataclasses.replace(self.cfg, tree=tree), "span": span}
+        return f"cycle {tree} rows {n} span {span}", (self.tparams, self.dparams, self.state, rows), static
+
+    def _cycle(self, tree: TreeConfig, span: int, live: list[int]) -> speculative.SpecState:
+        name, args, static = self._cycle_call(tree, span, live)
+        return self.compiled(name, speculative.cycle, *args, **static)[0]
 
     # ------------------------------------------------------------ the loop
 
@@ -308,7 +306,8 @@ class Batcher:
         limit = min(req.max_tokens, self.capacity - self.overhead - len(req.prompt))
         controls = RowControls.of([req.sampling], [req.seed])
         for piece in session.pieces(req.prompt, keep, self.chunks):
-            self._feed(slot, piece, limit, controls)
+            args = self._feed_args(slot, piece, limit, controls)
+            self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
         self.rows[slot], self.shown[slot], self.cached[slot] = req, 0, list(req.prompt)
         self.stats.prompt_tokens += len(req.prompt)
         self.stats.kept_tokens += keep
@@ -340,7 +339,7 @@ class Batcher:
     def apply(self, plan: SlotChanges) -> bool:
         """Carry out a plan, run one cycle, hand out tokens. Returns False when no row was running."""
         if plan.cancel:
-            self.state = retire(self.state, np.isin(np.arange(self.slots), plan.cancel))
+            self.state = self.compiled("retire", retire, self.state, np.isin(np.arange(self.slots), plan.cancel))
             for slot in plan.cancel:
                 self._finish(slot, "cancelled")
         for a in plan.admit:

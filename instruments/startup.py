@@ -1,0 +1,150 @@
+"""First start against second start of the commands that compile, on an empty persistent compilation cache.
+
+    python -m instruments.startup [--smollm2 DIR] [--only chat,serve_demo,...] [--json results/startup/startup.json]
+
+Each command runs twice with its own empty `$EAGLE_JAX_CACHE` (so its compilation cache, `cli.compile_cache`, starts
+empty and the second start finds what the first stored), one after the other, and the seconds from launch to what a
+user waits for are printed and written (JSON, and Markdown next to it):
+- `chat`: `infer.generate` on the demo pair, one message on stdin: launch to the end of the first answer;
+- `serve_demo`, `serve_smollm2`: `infer.serve` (the demo pair; SmolLM2 with its head, when --smollm2 is given):
+  launch to the first completion of a 16-token chat request;
+- `benchmark`: `infer.benchmark --limit 1` on the demo pair: launch to exit;
+- `train`: one `train.eagle3` step on the demo target: launch to exit.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from tqdm import tqdm
+
+from cli import command
+from eagle_jax.errors import EagleError
+from eagle_jax.io import files
+from instruments.loadtest import READY_TIMEOUT_S, free_port
+
+PY = [sys.executable, "-m"]
+DEMO = ["--target", "demo/target", "--draft", "demo/eagle3"]
+
+
+def _until_line(cmd: list[str], env: dict, prefix: str, stdin: str = "") -> float:
+    """Seconds from launching `cmd` until it writes a stderr line starting with `prefix`; then it is left to exit."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc.stdin.write(stdin.encode())
+    proc.stdin.close()
+    seen = []
+    for line in proc.stderr:
+        seen.append(line.decode(errors="replace"))
+        if seen[-1].startswith(prefix):
+            elapsed = time.perf_counter() - t0
+            proc.wait(timeout=READY_TIMEOUT_S)
+            return elapsed
+    proc.wait()
+    raise EagleError(f"{' '.join(cmd[2:4])} exited ({proc.returncode}) before '{prefix}': {''.join(seen)[-300:]}")
+
+
+def _to_exit(cmd: list[str], env: dict) -> float:
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        raise EagleError(f"{' '.join(cmd[2:4])} failed ({done.returncode}): {done.stderr.strip()[-300:]}")
+    return time.perf_counter() - t0
+
+
+def _first_completion(args: list[str], env: dict) -> float:
+    """Seconds from launching `infer.serve ARGS` to the end of its first (16-token) chat completion."""
+    import httpx
+
+    port = free_port()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([*PY, "infer.serve", *args, "--port", str(port)], env=env, stderr=log)
+        request = {"model": "m", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+        try:
+            while time.perf_counter() - t0 < READY_TIMEOUT_S:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    raise EagleError(f"the server exited ({proc.returncode}): {log.read().strip()[-300:]}")
+                try:
+                    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+                    if httpx.post(url, json=request, timeout=READY_TIMEOUT_S).status_code == 200:
+                        return time.perf_counter() - t0
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            raise EagleError(f"the server did not answer within {READY_TIMEOUT_S} s")
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def commands(smollm2: str | None) -> dict[str, tuple[str, Callable[[dict], float]]]:
+    """name -> (the command as shown, env -> seconds)."""
+    chat = [*PY, "infer.generate", *DEMO]
+    bench = [*PY, "infer.benchmark", "--questions", "data/eval/mt_bench.jsonl", "--limit", "1", *DEMO]
+    train = [*PY, "train.eagle3", "--target", "demo/target", "--data", "data/smollm2/answers.jsonl", "--steps", "1"]
+    train += ["--batch-size", "4", "--max-length", "256", "--ttt-steps", "3", "--draft-vocab-size", "1024"]
+    out = {
+        "chat": (" ".join(chat[2:]), lambda env: _until_line(chat, env, "[prefill", "Hello, who are you?\n")),
+        "serve_demo": ("infer.serve " + " ".join(DEMO), lambda env: _first_completion(DEMO, env)),
+        "benchmark": (" ".join(bench[2:]), lambda env: _to_exit(bench, env)),
+        "train": (" ".join(train[2:]) + " --out RUN", lambda env: _to_exit([*train, "--out", env["RUN"]], env)),
+    }
+    if smollm2:
+        serve = ["--target", smollm2, "--draft", "demo/smollm2-eagle3", "--dtype", "fp32", "--max-batch", "8"]
+        serve += ["--max-len", "1024"]
+        shown = " ".join(serve).replace(smollm2, command.shown_path(smollm2))
+        out["serve_smollm2"] = ("infer.serve " + shown, lambda env: _first_completion(serve, env))
+    return out
+
+
+def report(rows: dict[str, dict]) -> str:
+    lines = ["| command | first start (s) | second start (s) | second / first |", "|---|---|---|---|"]
+    for r in rows.values():
+        lines.append(
+            f"| `{r['command']}` | {r['first_s']:.1f} | {r['second_s']:.1f} | {r['second_s'] / r['first_s']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    p = command.ArgumentParser(prog="instruments.startup", description=__doc__.split("\n\n")[0])
+    p.add_argument("--smollm2", default=None, help="SmolLM2-135M-Instruct's folder (`python -m cli.smollm2`)")
+    p.add_argument(
+        "--only", default=None, help="comma-separated names: chat, serve_demo, serve_smollm2, benchmark, train"
+    )
+    p.add_argument("--json", default=None, help="write the figures here (and Markdown next to it)")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        todo = commands(a.smollm2)
+        if a.only:
+            unknown = set(a.only.split(",")) - set(todo)
+            if unknown:
+                raise EagleError(f"--only: unknown {', '.join(sorted(unknown))}; choose from {', '.join(todo)}")
+            todo = {k: v for k, v in todo.items() if k in a.only.split(",")}
+        rows = {}
+        for name, (shown, run) in tqdm(todo.items(), desc="commands", file=sys.stderr):
+            cache = Path(tmp) / name
+            env = os.environ | {"EAGLE_JAX_CACHE": str(cache), "RUN": str(cache / "run")}
+            env.pop("JAX_COMPILATION_CACHE_DIR", None)
+            times = [run(env | {"RUN": str(cache / f"run{i}")}) for i in range(2)]
+            rows[name] = {"command": shown, "first_s": times[0], "second_s": times[1]}
+    print(report(rows))
+    if a.json:
+        files.write_json_atomic(a.json, {"commands": rows})
+        files.write_text_atomic(Path(a.json).with_suffix(".md"), report(rows) + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return command.run(_main, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
