@@ -4,9 +4,11 @@ text streams as cycles are accepted."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from cli import command
-from cli.generation import CHAT_MAX_LEN, Models, Settings, pair_name
+from cli.generation import CHAT_MAX_LEN, Models, Settings, pair_name, uses_chat_template
 from eagle_jax.decoding import session
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.io import loading
@@ -33,7 +35,7 @@ def print_ids(new: list[list[int]]) -> None:
         sys.stdout.flush()
 
 
-def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) -> None:
+def chat(m: Models, tokenizer: Callable[[], Any], s: Settings, raw: bool, system: str | None) -> None:
     """Multi-turn chat on stdin/stdout. One `session.Session` keeps the conversation's caches: a turn prefills only
     its new tokens. Every program starts compiling at once, in the background: the first turn waits only for its own,
     and no later turn compiles anything."""
@@ -51,8 +53,9 @@ def chat(m: Models, tok, s: Settings, use_template: bool, system: str | None) ->
     names = talk.programs()
     talk.warm_up(wait=False)  # a turn waits only for the programs it runs
     print(f"warm-up: compiling {len(names)} programs ({', '.join(names)})", file=sys.stderr, flush=True)
+    tok = tokenizer()  # loaded meanwhile
     try:
-        converse(talk, tok, s, use_template, system)
+        converse(talk, tok, s, uses_chat_template(tok, raw), system)
     finally:
         talk.compiled.cancel()  # quitting waits only for a compilation under way
 

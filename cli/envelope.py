@@ -62,13 +62,13 @@ def default_tree(
     models,
     paths: tuple[Path, Path | None],
     batch: int,
-    calibration: list[list[int]],
+    calibration: Callable[[], list[list[int]]],
     recalibrate: bool = False,
     log: Callable[[str], None] = print,
     measure: bool = True,
 ) -> budget.Envelope:
     """The envelope for `batch` rows (`PLAIN`: plain decoding wins here), from the head's budget.json, the cache,
-    or measured now on the `calibration` prompts and cached (unless not `measure`). models: (tcfg, tparams,
+    or measured now on the prompts `calibration()` returns and cached (unless not `measure`). models: (tcfg, tparams,
     dcfg, dparams); paths: (target, draft; None without a head, whose budget lives in the cache only)."""
     cached = cache_dir() / "budget" / f"{_cache_key(models, paths)}.json"
     shipped = () if paths[1] is None else (Path(paths[1]) / BUDGET_FILE,)
@@ -86,7 +86,7 @@ def default_tree(
     log(f"measuring draft-tree envelopes for batch {batch} on this machine (once; cached in {cached.parent})")
     tcfg, tparams, dcfg, dparams = models
     measured = budget.calibrate(
-        tparams, dparams, DecodeConfig(tcfg, dcfg), calibration, [batch], CALIBRATION_TOKENS, log=log
+        tparams, dparams, DecodeConfig(tcfg, dcfg), calibration(), [batch], CALIBRATION_TOKENS, log=log
     )
     previous = _read(cached)
     merged = budget.Budget(

@@ -144,19 +144,31 @@ def load_tokenizer(target_dir: Path, chat_template: str | None):
         return loading.load_tokenizer(target_dir, chat_template)
 
 
+def uses_chat_template(tok, raw: bool) -> bool:
+    """Whether prompts go through the tokenizer's chat template (not --raw, and it has one; a note if not)."""
+    if tok is not None and not raw and tok.chat_template is None:
+        print("note: the tokenizer has no chat template; prompts are used as raw text", file=sys.stderr)
+    return tok is not None and not raw and tok.chat_template is not None
+
+
 def resolve_tree(
-    m: Models, s: Settings, batch: int, tok, recalibrate: bool, prompts: list[list[int]] | None = None
+    m: Models,
+    s: Settings,
+    batch: int,
+    tokenizer: Callable[[], Any] | None,
+    recalibrate: bool,
+    prompts: list[list[int]] | None = None,
 ) -> Settings:
     """The settings with the envelope measured fastest for `batch` rows on this machine when none was given
-    (plain decoding when no envelope wins); calibrates on MT-bench first turns, or `prompts` without a tokenizer."""
+    (plain decoding when no envelope wins); calibrates on MT-bench first turns (`tokenizer()`, asked only when
+    measuring), or `prompts` without a tokenizer."""
     if not s.auto_tree:
         return s
-    calibration = envelope.calibration_prompts(tok) if tok is not None else prompts
     tree = envelope.default_tree(
         (m.tcfg, m.tparams, m.dcfg, m.dparams),
         (m.target_dir, m.draft_dir),
         batch,
-        calibration,
+        lambda: envelope.calibration_prompts(tokenizer()) if tokenizer is not None else prompts,
         recalibrate,
         log=lambda msg: print(msg, file=sys.stderr, flush=True),
     )

@@ -209,10 +209,11 @@ def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[budget.E
         return DynamicTree(args.total_tokens, args.depth, args.tree_top_k, args.context or 0), None
     if args.context is not None and not args.auto_budget:
         return NoDraft(args.context), None
-    calibration = [
-        runner.prompt([{"role": "user", "content": q["turns"][0]}])
-        for q in calibration_questions(files_, args.calibration_prompts)
-    ]
+
+    def calibration() -> list[list[int]]:
+        questions = calibration_questions(files_, args.calibration_prompts)
+        return [runner.prompt([{"role": "user", "content": q["turns"][0]}]) for q in questions]
+
     if not args.auto_budget:
         return envelope.default_tree(runner.models, runner.paths, args.batch, calibration, log=log), None
     batches = sorted({args.batch, *(args.budget_batches if args.save_budget else ())})
@@ -220,7 +221,7 @@ def choose_tree(runner: Runner, args, files_: list[Path], log) -> tuple[budget.E
         runner.tparams,
         runner.dparams,
         DecodeConfig(runner.tcfg, runner.dcfg),
-        calibration,
+        calibration(),
         batches,
         min(128, args.max_new_tokens),
         args.budget_candidates,

@@ -23,6 +23,7 @@ tree, in float32, with --warmup and --compare: SmolLM2-135M-Instruct with its EA
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import json
 import sys
@@ -217,17 +218,19 @@ def _main(argv: Sequence[str] | None) -> int:
             raise EagleError(f"{flag} needs a prompt (--prompt, --prompt-file or --prompt-ids)")
     if a.pair_note:
         print(a.pair_note, file=sys.stderr, flush=True)
-    m = load(a, preset, mesh_text)
-    generation.check_settings_fit(s, m)
-    tok = None if ids is not None else generation.load_tokenizer(m.target_dir, preset.chat_template if preset else None)
-    use_template = tok is not None and not a.raw and tok.chat_template is not None
-    if tok is not None and not a.raw and not use_template:
-        print("note: the tokenizer has no chat template; prompts are used as raw text", file=sys.stderr)
-    if ids is None and texts is None:
-        chat.chat(m, tok, generation.resolve_tree(m, s, 1, tok, a.auto_budget), use_template, a.system)
-        return 0
-    prompts = encode(a, m, ids, texts, tok, use_template)
-    s = generation.resolve_tree(m, s, len(prompts), tok, a.auto_budget, prompts)
+    template = preset.chat_template if preset else None
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the tokenizer (seconds of imports) loads meanwhile
+        target_dir = generation.resolve_dirs(a, preset)[0]
+        tokenizer = None if ids is not None else pool.submit(generation.load_tokenizer, target_dir, template)
+        m = load(a, preset, mesh_text)
+        generation.check_settings_fit(s, m)
+        if ids is None and texts is None:  # the chat's programs start compiling before it needs the tokenizer
+            s = generation.resolve_tree(m, s, 1, tokenizer.result, a.auto_budget)
+            chat.chat(m, tokenizer.result, s, a.raw, a.system)
+            return 0
+        tok = tokenizer.result() if tokenizer else None
+    prompts = encode(a, m, ids, texts, tok, generation.uses_chat_template(tok, a.raw))
+    s = generation.resolve_tree(m, s, len(prompts), tokenizer and tokenizer.result, a.auto_budget, prompts)
     if a.demo:
         shown = texts[0] if texts else prompts[0]
         kind = "speculative" if s.tree.drafts else "plain"

@@ -38,7 +38,7 @@ MEASURED_BATCHES = (1, 4, 8, 16)
 def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
     """The measured envelope for each batch size up to max_batch (from the head's budget.json or the cache, else
     measured now). On several processes, process 0's saved choices, sent to all (nothing is measured there)."""
-    calibration = envelope.calibration_prompts(tok)
+    calibration = lambda: envelope.calibration_prompts(tok)  # noqa: E731 (only when measuring)
     sizes = sorted({b for b in MEASURED_BATCHES if b <= max_batch} | {1})
     if not distributed.is_multi_host():
         return budgets.Budget(

@@ -66,18 +66,23 @@ def _first_completion(args: list[str], env: dict) -> float:
     t0 = time.perf_counter()
     with tempfile.TemporaryFile("w+") as log:
         proc = subprocess.Popen([*PY, "infer.serve", *args, "--port", str(port)], env=env, stderr=log)
-        request = {"model": "m", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+        messages = [{"role": "user", "content": "Hello!"}]
         try:
             while time.perf_counter() - t0 < READY_TIMEOUT_S:
                 if proc.poll() is not None:
                     log.seek(0)
                     raise EagleError(f"the server exited ({proc.returncode}): {log.read().strip()[-300:]}")
                 try:
-                    url = f"http://127.0.0.1:{port}/v1/chat/completions"
-                    if httpx.post(url, json=request, timeout=READY_TIMEOUT_S).status_code == 200:
-                        return time.perf_counter() - t0
+                    url = f"http://127.0.0.1:{port}/v1"
+                    model = httpx.get(f"{url}/models", timeout=5).json()["data"][0]["id"]
                 except httpx.TransportError:
                     time.sleep(0.2)
+                    continue
+                request = {"model": model, "messages": messages, "max_tokens": 16}
+                r = httpx.post(f"{url}/chat/completions", json=request, timeout=READY_TIMEOUT_S)
+                if r.status_code != 200:
+                    raise EagleError(f"the server answered {r.status_code}: {r.text[:300]}")
+                return time.perf_counter() - t0
             raise EagleError(f"the server did not answer within {READY_TIMEOUT_S} s")
         finally:
             proc.terminate()

@@ -119,7 +119,8 @@ def spec_programs(cfg: DecodeConfig, capacity: int, mesh: Mesh) -> SpecPrograms:
 # Programs compiled ahead of time: lowered on arguments shaped like the real ones and compiled on worker threads,
 # so nothing runs to compile them, several compile at once (XLA compiles a program on one core), and a program a
 # caller needs first is not held up by the rest. JAX's persistent cache serves a second start.
-_COMPILER = concurrent.futures.ThreadPoolExecutor(min(4, os.cpu_count() or 1), thread_name_prefix="eagle-jax-compile")
+COMPILE_WORKERS = min(4, os.cpu_count() or 1)
+_COMPILER = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="eagle-jax-compile")
 _COMPILED: dict[tuple, concurrent.futures.Future] = {}
 _COMPILED_LOCK = threading.Lock()
 
@@ -131,16 +132,26 @@ def _shape(x: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype)
 
 
+def _program(fn: Any, args: tuple, static: dict) -> tuple:
+    """What identifies a compiled program: the function, its static arguments, and its arguments' shapes."""
+    leaves, tree = jax.tree.flatten(args)
+    return fn, tuple(sorted(static.items())), tree, tuple(_shape(x) for x in leaves)
+
+
+def _compile(program: tuple) -> concurrent.futures.Future:
+    """The future of a program's executable: the one under way or done, else (never asked, or cancelled) a new one."""
+    with _COMPILED_LOCK:
+        if program not in _COMPILED or _COMPILED[program].cancelled():
+            fn, static, tree, shapes = program
+            lower = lambda: fn.lower(*tree.unflatten(shapes), **dict(static)).compile()  # noqa: E731
+            _COMPILED[program] = _COMPILER.submit(lower)
+        return _COMPILED[program]
+
+
 def compile_ahead(fn: Any, *args: Any, **static: Any) -> concurrent.futures.Future:
     """The jitted `fn` compiled for arguments shaped (and placed) like `args`, with its static arguments `static`,
     on a worker thread: a future of the executable (called with `args` alone). Asked again, the same future."""
-    leaves, tree = jax.tree.flatten(args)
-    shapes = [_shape(x) for x in leaves]
-    key = (fn, tuple(sorted(static.items())), tree, tuple(shapes))
-    with _COMPILED_LOCK:
-        if key not in _COMPILED:
-            _COMPILED[key] = _COMPILER.submit(lambda: fn.lower(*tree.unflatten(shapes), **static).compile())
-        return _COMPILED[key]
+    return _compile(_program(fn, args, static))
 
 
 class Precompiled:
@@ -148,28 +159,30 @@ class Precompiled:
     compilation only (starting it if nobody has), `wait` for all that were started."""
 
     def __init__(self):
-        self._started: dict[str, concurrent.futures.Future] = {}
+        self._programs: dict[str, tuple] = {}
         self._ready: dict[str, Any] = {}
 
     def submit(self, name: str, fn: Any, *args: Any, **static: Any) -> None:
-        if name not in self._started:
-            self._started[name] = compile_ahead(fn, *args, **static)
+        if name not in self._programs:
+            self._programs[name] = _program(fn, args, static)
+        _compile(self._programs[name])
 
     def __call__(self, name: str, fn: Any, *args: Any, **static: Any) -> Any:
         """fn(*args, **static) with the program compiled for `name`."""
         program = self._ready.get(name)
         if program is None:
             self.submit(name, fn, *args, **static)
-            program = self._ready[name] = self._started[name].result()
+            program = self._ready[name] = _compile(self._programs[name]).result()
         return program(*args)
 
     def wait(self) -> None:
-        for future in list(self._started.values()):
-            future.result()
+        for program in self._programs.values():
+            _compile(program).result()
 
     def cancel(self) -> int:
-        """Drop the compilations not yet begun (a process that ends waits for those under way only); how many."""
-        return sum(future.cancel() for future in self._started.values())
+        """Drop the compilations not yet begun (a process that ends waits for those under way only; asked for
+        again, they start again); how many."""
+        return sum(_compile(program).cancel() for program in self._programs.values())
 
 
 @functools.lru_cache(maxsize=16)

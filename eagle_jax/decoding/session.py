@@ -133,12 +133,15 @@ class Session:
         """Compile every program this session can run, ahead of time on worker threads (the first turn's first);
         with `wait`, until all are compiled. Returns the seconds taken."""
         t0 = time.perf_counter()
-        for size in self.chunks:
-            piece = Piece(0, np.ones(size, np.int32), np.ones(size, np.int32), size, True)
-            self.compiled.submit(f"extend {size}", speculative.extend, *self._feed(piece, 1, self._key), cfg=self.cfg)
-        for span in self.spans:
-            name, fn = self._loop(span)
-            self.compiled.submit(name, fn, self.tparams, self.dparams, self.state, cfg=self.cfg, span=span)
+        sizes = sorted(self.chunks)
+        for n in range(max(len(sizes), len(self.spans))):  # the smallest chunk and span first: a short first turn's
+            if n < len(sizes):
+                piece = Piece(0, np.ones(sizes[n], np.int32), np.ones(sizes[n], np.int32), sizes[n], True)
+                args = self._feed(piece, 1, self._key)
+                self.compiled.submit(f"extend {sizes[n]}", speculative.extend, *args, cfg=self.cfg)
+            if n < len(self.spans):
+                name, fn = self._loop(self.spans[n])
+                self.compiled.submit(name, fn, self.tparams, self.dparams, self.state, cfg=self.cfg, span=self.spans[n])
         if wait:
             self.compiled.wait()
         return time.perf_counter() - t0
