@@ -51,9 +51,10 @@ def chat(m: Models, tokenizer: Callable[[], Any], s: Settings, raw: bool, system
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 read as U+FFFD, not a crash
     print(f"chatting with {pair_name(m, s.tree)}; /exit or end of input quits", file=sys.stderr)
     names = talk.programs()
-    talk.warm_up(wait=False)  # a turn waits only for the programs it runs
+    talk.warm_up(wait=False, first=2)  # a short first turn's programs while the tokenizer loads, then the rest
     print(f"warm-up: compiling {len(names)} programs ({', '.join(names)})", file=sys.stderr, flush=True)
-    tok = tokenizer()  # loaded meanwhile
+    tok = tokenizer()
+    talk.warm_up(wait=False)  # a turn waits only for the programs it runs
     try:
         converse(talk, tok, s, uses_chat_template(tok, raw), system)
     finally:

@@ -129,19 +129,21 @@ class Session:
         """The compiled set: one prefill program per chunk size, one cycle (plain decoding: one loop) per span."""
         return [f"extend {c}" for c in self.chunks] + [self._loop(s)[0] for s in self.spans]
 
-    def warm_up(self, wait: bool = True) -> float:
-        """Compile every program this session can run, ahead of time on worker threads (the first turn's first);
-        with `wait`, until all are compiled. Returns the seconds taken."""
+    def warm_up(self, wait: bool = True, first: int | None = None) -> float:
+        """Compile the programs this session can run (the `first` few of them, in the order a conversation needs
+        them: the smallest chunk and span first), ahead of time on worker threads; with `wait`, until they are
+        compiled. Returns the seconds taken."""
         t0 = time.perf_counter()
-        sizes = sorted(self.chunks)
-        for n in range(max(len(sizes), len(self.spans))):  # the smallest chunk and span first: a short first turn's
+        sizes, order = sorted(self.chunks), []
+        for n in range(max(len(sizes), len(self.spans))):
             if n < len(sizes):
                 piece = Piece(0, np.ones(sizes[n], np.int32), np.ones(sizes[n], np.int32), sizes[n], True)
-                args = self._feed(piece, 1, self._key)
-                self.compiled.submit(f"extend {sizes[n]}", speculative.extend, *args, cfg=self.cfg)
+                order.append((f"extend {sizes[n]}", speculative.extend, self._feed(piece, 1, self._key), {}))
             if n < len(self.spans):
                 name, fn = self._loop(self.spans[n])
-                self.compiled.submit(name, fn, self.tparams, self.dparams, self.state, cfg=self.cfg, span=self.spans[n])
+                order.append((name, fn, (self.tparams, self.dparams, self.state), {"span": self.spans[n]}))
+        for name, fn, args, static in order[:first]:
+            self.compiled.submit(name, fn, *args, cfg=self.cfg, **static)
         if wait:
             self.compiled.wait()
         return time.perf_counter() - t0
