@@ -148,7 +148,7 @@ def _rows_of(s: speculative.SpecState, rows: list[int]) -> dict[str, np.ndarray]
     return out
 
 
-@pytest.mark.parametrize("envelope", [DynamicTree(8, 3, 2), DynamicTree(5, 4, 1, context=3), StaticTree()])
+@pytest.mark.parametrize("envelope", [DynamicTree(8, 3, 2), DynamicTree(5, 4, 1, context=3)])  # compact, write_path
 def test_a_cycle_of_some_rows_equals_theirs_in_a_cycle_of_all(envelope):
     """`cycle(..., rows)` computes only those rows: they end as in a cycle of every row, and the rest is untouched."""
     tcfg, tparams = tiny_target(seed=5, vocab=48)
