@@ -206,7 +206,7 @@ def extend(
     with budget limits [B]: its root is sampled from the last fed token's logits (key fold_in(key, 0), as
     `prefill`) and closes the last pair. A row fed a chunk that is not its last waits (done) until it is.
     Rows fed nothing (n = 0) are left as they were. With `controls` (per-row sampling, a server's batch) the
-    starting rows take their settings and seeds from it (`rows`: keys follow sequence positions). The tree of
+    starting rows take their settings and seeds from it (`decoding.rows`: keys follow sequence positions). The tree of
     `cfg` plays no part. With `rows` [R] (distinct int32) only those rows are computed, and the per-row
     arguments are theirs ([R], [R, C]); the others are left as they are.
     """
