@@ -230,7 +230,9 @@ def _main(argv: Sequence[str] | None) -> int:
             return 0
         tok = tokenizer.result() if tokenizer else None
     prompts = encode(a, m, ids, texts, tok, generation.uses_chat_template(tok, a.raw))
-    s = generation.resolve_tree(m, s, len(prompts), tokenizer and tokenizer.result, a.auto_budget, prompts)
+    s = generation.resolve_tree(
+        m, s, len(prompts), None if tokenizer is None else tokenizer.result, a.auto_budget, prompts
+    )
     if a.demo:
         shown = texts[0] if texts else prompts[0]
         kind = "speculative" if s.tree.drafts else "plain"

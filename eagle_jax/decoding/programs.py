@@ -169,11 +169,11 @@ class Precompiled:
 
     def __call__(self, name: str, fn: Any, *args: Any, **static: Any) -> Any:
         """fn(*args, **static) with the program compiled for `name`."""
-        program = self._ready.get(name)
-        if program is None:
+        executable = self._ready.get(name)
+        if executable is None:
             self.submit(name, fn, *args, **static)
-            program = self._ready[name] = _compile(self._programs[name]).result()
-        return program(*args)
+            executable = self._ready[name] = _compile(self._programs[name]).result()
+        return executable(*args)
 
     def wait(self) -> None:
         for program in self._programs.values():

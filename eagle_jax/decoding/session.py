@@ -134,14 +134,11 @@ class Session:
         them: the smallest chunk and span first), ahead of time on worker threads; with `wait`, until they are
         compiled. Returns the seconds taken."""
         t0 = time.perf_counter()
-        sizes, order = sorted(self.chunks), []
-        for n in range(max(len(sizes), len(self.spans))):
-            if n < len(sizes):
-                piece = Piece(0, np.ones(sizes[n], np.int32), np.ones(sizes[n], np.int32), sizes[n], True)
-                order.append((f"extend {sizes[n]}", speculative.extend, self._feed(piece, 1, self._key), {}))
-            if n < len(self.spans):
-                name, fn = self._loop(self.spans[n])
-                order.append((name, fn, (self.tparams, self.dparams, self.state), {"span": self.spans[n]}))
+        feeds = [Piece(0, np.ones(c, np.int32), np.ones(c, np.int32), c, True) for c in sorted(self.chunks)]
+        extends = [(f"extend {p.n}", speculative.extend, self._feed(p, 1, self._key), {}) for p in feeds]
+        state = (self.tparams, self.dparams, self.state)
+        loops = [(*self._loop(span), state, {"span": span}) for span in self.spans]
+        order = [extends[0], loops[0], *extends[1:], *loops[1:]]
         for name, fn, args, static in order[:first]:
             self.compiled.submit(name, fn, *args, cfg=self.cfg, **static)
         if wait:

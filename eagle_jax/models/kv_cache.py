@@ -50,9 +50,9 @@ def view(cache: KVCache, rows: jax.Array) -> KVCache:
     return KVCache(cache.k, cache.v, cache.lengths[rows], rows)
 
 
-def merge(whole: jax.Array, part: KVCache) -> KVCache:
+def merge(lengths: jax.Array, part: KVCache) -> KVCache:
     """The whole cache again from a view written in place, given the whole cache's lengths [B]."""
-    return KVCache(part.k, part.v, whole.at[part.rows].set(part.lengths))
+    return KVCache(part.k, part.v, lengths.at[part.rows].set(part.lengths))
 
 
 def _row_index(rows: jax.Array | None, n: int) -> jax.Array:
