@@ -1,7 +1,12 @@
 """Train an EAGLE-3 draft head with training-time test (TTT) against a frozen target.
 
     python -m train.eagle3 --target DIR --data FILE [FILE...] --out DIR [--steps N] [--batch-size B]
-        [--max-length L] [--ttt-steps 7] [--lr X] [--mesh data=D,fsdp=F,tensor=T] [--seed S] ...
+        [--max-length L] [--ttt-steps 7] [--lr X] [--mesh data=D,fsdp=F,tensor=T] [--seed S]
+        [--features FEATS] ...
+
+With --features (a `python -m train.features` folder of the same target, data and maximum length) the
+target's outputs are read from the folder instead of computed: the same batches, and the same losses up to
+the storage dtype, without the target's decoder layers in memory (they load only for --tau-prompts).
 
 Re-running with the same --out resumes from the newest intact checkpoint (a damaged newer one is
 reported and skipped) and continues with the same batches and losses as an uninterrupted run (the flags
@@ -61,6 +66,12 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
     )
     p.add_argument("--tau-every", type=int, default=0, help="measure the real tau every K steps (needs --tau-prompts)")
     p.add_argument("--tau-max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--features",
+        default=None,
+        help="a python -m train.features folder made from this --target, --data and --max-length: train without "
+        "running the target",
+    )
     a = p.parse_args(argv)
     for name in ("steps", "batch_size", "max_length", "ttt_steps", "grad_accum", "save_every", "keep", "log_every"):
         if getattr(a, name) < 1:
@@ -100,6 +111,7 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
         tau_prompts=resolve(a.tau_prompts),
         tau_every=a.tau_every,
         tau_max_new_tokens=a.tau_max_new_tokens,
+        features=resolve(a.features),
     )
 
 

@@ -4,8 +4,9 @@ EAGLE-1's feature regression (`eagle1_loss`, the v1 branch's `eagle/train/main.p
 EAGLE-3 (TTT):
 
 For a right-padded batch, the frozen target gives fused features [B, T, 3Ht] and logits [B, T, V]
-(`target_batch`). The draft then unrolls `steps` steps (`ttt_loss`); `shift(x, k)[t] = x[t+k]`, zero
-past the end. At step j, position t:
+(`target_batch`), or they come from a store (`eagle_jax.training.features`: the logits of the draft
+vocabulary rebuilt from the final hidden states, `Targets`). The draft then unrolls `steps` steps
+(`ttt_loss`); `shift(x, k)[t] = x[t+k]`, zero past the end. At step j, position t:
 - token `shift(input_ids, j+1)`, hidden input fc(features) at j = 0 and the previous step's pre-norm
   output afterwards, rope position t + j (base and scaling from the head's config);
 - attention: the step-0 keys at s <= t with attention_mask[s] = 1, plus the keys of steps 1..j at the
@@ -19,6 +20,7 @@ Total loss `sum_j step_weight**j * loss_j`. Gradients reach only the draft's flo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -29,7 +31,7 @@ from eagle_jax.decoding.sampling import argmax
 from eagle_jax.errors import EagleError
 from eagle_jax.models import draft, target
 from eagle_jax.models.config import DraftConfig, TargetConfig
-from eagle_jax.models.layers import attend
+from eagle_jax.models.layers import attend, linear
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 
@@ -40,15 +42,15 @@ def padded_causal(attention_mask: jax.Array) -> jax.Array:
     return target.causal_mask(b, t) & attention_mask.astype(bool)[:, None, :]
 
 
-def target_batch(
+def target_outputs(
     target_params: dict,
     tcfg: TargetConfig,
     input_ids: jax.Array,
     attention_mask: jax.Array,
     feature_layers: tuple[int, ...],
-) -> tuple[jax.Array, jax.Array]:
-    """Frozen target on a right-padded batch [B, T] -> (features [B, T, 3Ht] of the head's
-    `feature_layers`, logits [B, T, V] f32).
+) -> target.TargetOutput:
+    """Frozen target on a right-padded batch [B, T]: its output (features [B, T, 3Ht] of the head's
+    `feature_layers`, logits [B, T, V] f32, final normed hidden states [B, T, Ht]), without gradients.
 
     Mask: causal plus key padding (a padded query sees the real prefix, not itself); positions 0..T-1.
     """
@@ -57,7 +59,19 @@ def target_batch(
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     cache = target.init_cache(tcfg, b, t, target_params["embed"].dtype)
     out = target.forward(target_params, tcfg, input_ids, positions, cache, mask, feature_layers=feature_layers)
-    return jax.lax.stop_gradient(out.features), jax.lax.stop_gradient(out.logits)
+    return jax.lax.stop_gradient(out)
+
+
+def target_batch(
+    target_params: dict,
+    tcfg: TargetConfig,
+    input_ids: jax.Array,
+    attention_mask: jax.Array,
+    feature_layers: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array]:
+    """(features [B, T, 3Ht], logits [B, T, V] f32) of `target_outputs`."""
+    out = target_outputs(target_params, tcfg, input_ids, attention_mask, feature_layers)
+    return out.features, out.logits
 
 
 def draft_columns(draft_params: dict, dcfg: DraftConfig) -> jax.Array:
@@ -65,18 +79,42 @@ def draft_columns(draft_params: dict, dcfg: DraftConfig) -> jax.Array:
     return draft.to_target_ids(draft_params, dcfg, jnp.arange(dcfg.draft_vocab_size))
 
 
-def _step_targets(draft_params: dict, dcfg: DraftConfig, target_logits: jax.Array):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """The target's side of the TTT objective: what its logits say at each position."""
+
+    draft_logits: jax.Array  # [B, T, Vd] f32: the logits of the draft vocabulary's tokens
+    argmax: jax.Array  # [B, T] int32: the argmax over the full vocabulary
+
+
+def targets_from_logits(draft_params: dict, dcfg: DraftConfig, logits: jax.Array) -> Targets:
+    """From the target's logits [B, T, V] (the online step)."""
+    logits = jax.lax.stop_gradient(logits).astype(jnp.float32)
+    return Targets(jnp.take(logits, draft_columns(draft_params, dcfg), axis=-1), argmax(logits))
+
+
+def targets_from_hidden(
+    draft_params: dict, dcfg: DraftConfig, output_head: jax.Array, hidden: jax.Array, full_argmax: jax.Array
+) -> Targets:
+    """From stored final normed hidden states [B, T, Ht] and full-vocabulary argmax [B, T] (the offline step):
+    the draft vocabulary's columns of the target's readout `output_head` [Ht, V], accumulated in f32."""
+    columns = jnp.take(jax.lax.stop_gradient(output_head), draft_columns(draft_params, dcfg), axis=1)  # [Ht, Vd]
+    return Targets(linear(hidden.astype(columns.dtype), columns, out_dtype=jnp.float32), full_argmax)
+
+
+def _step_targets(draft_params: dict, dcfg: DraftConfig, targets: jax.Array | Targets):
     """Unshifted target side: p [B, T, Vd], argmax p [B, T], t2d[argmax logits] [B, T] bool, and that
-    flag for a zero (past-the-end) row."""
+    flag for a zero (past-the-end) row. `targets`: the target's logits [B, T, V] or `Targets`."""
     draft_params = jax.tree.map(jnp.asarray, draft_params)
-    logits = jax.lax.stop_gradient(target_logits).astype(jnp.float32)  # [B, T, V]
-    p = jax.nn.softmax(jnp.take(logits, draft_columns(draft_params, dcfg), axis=-1), axis=-1)  # [B, T, Vd]
-    full_argmax = argmax(logits)  # [B, T]
+    if not isinstance(targets, Targets):
+        targets = targets_from_logits(draft_params, dcfg, targets)
+    p = jax.nn.softmax(targets.draft_logits, axis=-1)  # [B, T, Vd]
     if dcfg.has_vocab_map:
         t2d = draft_params["t2d"]
-        in_vocab, zero_row_in_vocab = t2d[full_argmax], t2d[0]
+        in_vocab, zero_row_in_vocab = t2d[targets.argmax], t2d[0]
     else:
-        in_vocab, zero_row_in_vocab = jnp.ones(full_argmax.shape, bool), True
+        in_vocab, zero_row_in_vocab = jnp.ones(targets.argmax.shape, bool), True
     return p, argmax(p), in_vocab, zero_row_in_vocab
 
 
@@ -131,7 +169,7 @@ def ttt_loss(
     dcfg: DraftConfig,
     embed: jax.Array,
     features: jax.Array,
-    target_logits: jax.Array,
+    targets: jax.Array | Targets,
     input_ids: jax.Array,
     attention_mask: jax.Array,
     loss_mask: jax.Array,
@@ -140,8 +178,8 @@ def ttt_loss(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Official EAGLE-3 TTT objective -> (sum_j step_weight**j * plosses[j] (f32), metrics).
 
-    embed [V, H] (frozen target embedding), features [B, T, 3Ht], target_logits [B, T, V],
-    input_ids / attention_mask / loss_mask [B, T]. Metrics, each [steps]: `plosses` f32, `acces` f32
+    embed [V, H] (frozen target embedding), features [B, T, 3Ht], targets (the target's logits [B, T, V] or
+    `Targets`), input_ids / attention_mask / loss_mask [B, T]. Metrics, each [steps]: `plosses` f32, `acces` f32
     (`accuracies` gives the exact float64 values), `n_correct`, `n_counted` (positions with mask 1)
     and `loss_mask_sum` (the accuracy denominator without 1e-6), int32.
     Steps 1.. run as one `lax.scan`. Jit with `static_argnames=("dcfg", "steps", "step_weight")`.
@@ -153,7 +191,7 @@ def ttt_loss(
     b, t = input_ids.shape
     p = draft_params["layers"][0]
     embed = jax.lax.stop_gradient(jnp.asarray(embed))
-    probs, target_argmax, in_vocab, zero_in = _step_targets(draft_params, dcfg, target_logits)
+    probs, target_argmax, in_vocab, zero_in = _step_targets(draft_params, dcfg, targets)
     # padded at the end so that step j reads rows [j+1, j+1+T) (the zero-filled shift)
     tokens = _pad_end(input_ids, steps, 0)  # [B, T + S]
     probs = _pad_end(probs, steps, 1.0 / dcfg.draft_vocab_size)  # [B, T + S, Vd]; softmax of a zero row

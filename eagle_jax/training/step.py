@@ -56,6 +56,7 @@ class Shardings:
     vocab_map: PyTree
     opt_state: PyTree
     batch: NamedSharding  # [B, T] arrays: batch over ('data', 'fsdp')
+    features: NamedSharding  # [B, T, X] stored target rows, placed like the batch
     replicated: NamedSharding
 
 
@@ -77,6 +78,7 @@ def make_shardings(
         vocab_map=jax.tree.map(lambda _: replicated, map_specs, is_leaf=is_spec),
         opt_state=opt_state,
         batch=NamedSharding(mesh, sharding.partition_spec(("batch", None), rules)),
+        features=NamedSharding(mesh, sharding.partition_spec(("batch", None, None), rules)),
         replicated=replicated,
     )
 
@@ -88,23 +90,24 @@ def make_train_step(
     ttt_steps: int,
     sh: Shardings,
     compute_dtype=jnp.float32,
+    offline: bool = False,
 ) -> Callable:
-    """Jitted (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask) -> (trainable, opt_state, metrics).
+    """The jitted train step -> (trainable, opt_state, metrics).
 
-    The target runs forward only (no gradient, not in the optimiser); the draft computes in
-    `compute_dtype` from fp32 master weights; the loss is fp32. Metrics are sums/values of one micro-batch.
+    Online: (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask): the target runs forward
+    (no gradient, not in the optimiser). Offline (`features.FeatureStore`): (trainable, opt_state, vocab_map,
+    readout, ids, attn, loss_mask, features [B, T, 3Ht], hidden [B, T, Ht], argmax [B, T]), `readout` the
+    target's embed (and lm_head when untied). The draft computes in `compute_dtype` from fp32 master weights;
+    the loss is fp32. Metrics are sums/values of one micro-batch.
     """
 
-    def step(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask):
-        features, target_logits = objective.target_batch(
-            tparams, tcfg, input_ids, attention_mask, dcfg.feature_layers(tcfg)
-        )
+    def update(trainable, opt_state, vocab_map, embed, features, targets, input_ids, attention_mask, loss_mask):
         total, m, grads = objective.ttt_value_and_grad(
             {**trainable, **vocab_map},
             dcfg,
-            tparams["embed"],
+            embed,
             features,
-            target_logits,
+            targets,
             input_ids,
             attention_mask,
             loss_mask,
@@ -122,10 +125,24 @@ def make_train_step(
         }
         return trainable, opt_state, metrics
 
+    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask):
+        features, logits = objective.target_batch(tparams, tcfg, input_ids, attention_mask, dcfg.feature_layers(tcfg))
+        tokens = (input_ids, attention_mask, loss_mask)
+        return update(trainable, opt_state, vocab_map, tparams["embed"], features, logits, *tokens)
+
+    def stored(trainable, opt_state, vocab_map, readout, input_ids, attention_mask, loss_mask, features, hidden, top):
+        head = target.output_head(readout, tcfg).astype(compute_dtype)
+        targets = objective.targets_from_hidden({**trainable, **vocab_map}, dcfg, head, hidden, top)
+        tokens = (input_ids, attention_mask, loss_mask)
+        embed = readout["embed"].astype(compute_dtype)
+        return update(trainable, opt_state, vocab_map, embed, features, targets, *tokens)
+
     batch = (sh.batch,) * 3
+    weights = {k: sh.target[k] for k in ("embed", "lm_head") if k in sh.target} if offline else sh.target
+    rows = (sh.features, sh.features, sh.batch) if offline else ()
     return jax.jit(
-        step,
-        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, sh.target) + batch,
+        stored if offline else online,
+        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + batch + rows,
         out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
         donate_argnums=(0, 1),
     )

@@ -35,7 +35,7 @@ from eagle_jax.models import draft
 from eagle_jax.models.config import DraftConfig, TargetConfig, eagle3_head_like
 from eagle_jax.models.params import init_params
 from eagle_jax.parallel import sharding
-from eagle_jax.training import checkpoints, data, objective
+from eagle_jax.training import checkpoints, data, features, objective
 from eagle_jax.training.step import Shardings, lr_schedule, make_optimizer, make_shardings, make_train_step
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -54,6 +54,7 @@ RESUME_KEYS = (
     "init_head",
     "bf16",
     "chat_template",
+    "features",
 )
 
 
@@ -83,14 +84,24 @@ class RunConfig:
     tau_prompts: str | None = None
     tau_every: int = 0
     tau_max_new_tokens: int = 64
+    features: str | None = None  # a `train.features` folder for this target and data: train without the target
 
     @property
     def warmup_steps(self) -> int:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
 
-def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
+def place_batch(b: data.Batch | features.StoredBatch, sh: Shardings) -> tuple[jax.Array, ...]:
+    """The step's batch arguments: ids, attention and loss masks [B, T] (and, from a store, its rows)."""
+    tokens = b.tokens if isinstance(b, features.StoredBatch) else b
+    placed = tuple(sharding.put(x, sh.batch) for x in (tokens.input_ids, tokens.attention_mask, tokens.loss_mask))
+    if isinstance(b, features.StoredBatch):
+        placed += (
+            sharding.put(b.features, sh.features),
+            sharding.put(b.hidden, sh.features),
+            sharding.put(b.argmax, sh.batch),
+        )
+    return placed
 
 
 def export_head(params: dict, dcfg: DraftConfig, tcfg: TargetConfig, out: Path) -> list[str]:
@@ -118,7 +129,7 @@ class RunMismatch(EagleError):
 def check_run_folder(rc: RunConfig) -> Path:
     """Refuse, before any work, an output folder that is a file, is or holds an input, or holds files but no
     run.json (a folder that is not a run: nothing in it is replaced); returns OUT."""
-    inputs = [p for p in (rc.target, *rc.data, rc.init_head, rc.tau_prompts, rc.chat_template) if p]
+    inputs = [p for p in (rc.target, *rc.data, rc.init_head, rc.tau_prompts, rc.chat_template, rc.features) if p]
     out = Path(rc.out)
     if out.is_dir() and any(out.iterdir()) and not (out / "run.json").is_file():
         raise EagleError(
@@ -365,8 +376,14 @@ def train(rc: RunConfig) -> dict:
     tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
     dcfg, trainable_init, init_map = initial_head(rc, tcfg)
     sharding.check_mesh(mesh, tcfg, dcfg)  # an axis that does not divide a model dimension: an error, not replication
-    examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
-    log(f"data: {stats.summary()}")
+    if rc.features:
+        store = features.FeatureStore(rc.features)
+        store.check(tcfg, rc.data, rc.chat_template, rc.max_length, dcfg.feature_layers(tcfg))
+        examples = store.examples()
+        log(f"data: {len(examples)} sequences from {rc.features}")
+    else:
+        examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
+        log(f"data: {stats.summary()}")
     prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
     record_settings(rc, out)
     maps = vocab_map(rc, out, examples, dcfg, init_map)
@@ -374,7 +391,17 @@ def train(rc: RunConfig) -> dict:
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
     optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum)
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
-    tparams = loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1]
+    # from a store the step reads only the target's readout; the whole target only measures the real tau
+    tparams = (
+        loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1] if prompts or not rc.features else None
+    )
+    weights = (
+        sharding.place(
+            jax.tree.map(lambda x: x.astype(compute_dtype), store.readout()), {k: sh.target[k] for k in store.readout()}
+        )
+        if rc.features
+        else tparams
+    )
     vmap_dev = sharding.place(maps, sh.vocab_map)
     trainable = sharding.place(trainable_init, sh.trainable)
     opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)
@@ -382,11 +409,13 @@ def train(rc: RunConfig) -> dict:
 
     with checkpoints.opened(out / "ckpt", rc.keep) as mgr:
         state, start = restore(mgr, state, sh, out)
-        step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype)
+        step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype, offline=bool(rc.features))
         plan = data.BatchPlan(
             [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
         )
         pad_id = tokenizer.pad_token_id or 0
+        if rc.features:
+            pad_id = store.pad_id
 
         def real_tau(step: int) -> None:
             tau = measure_tau(tparams, tcfg, {**state["params"], **vmap_dev}, dcfg, prompts, rc.tau_max_new_tokens)
@@ -403,10 +432,14 @@ def train(rc: RunConfig) -> dict:
                 micro = []
                 for k in range(rc.grad_accum):
                     rows, length = plan(step * rc.grad_accum + k)
-                    batch = data.collate([examples[i] for i in rows], length, pad_id)
-                    tokens += batch.real_tokens
+                    batch = (
+                        store.batch(rows, length)
+                        if rc.features
+                        else data.collate([examples[i] for i in rows], length, pad_id)
+                    )
+                    tokens += (batch.tokens if rc.features else batch).real_tokens
                     state["params"], state["opt_state"], m = step_fn(
-                        state["params"], state["opt_state"], vmap_dev, tparams, *place_batch(batch, sh)
+                        state["params"], state["opt_state"], vmap_dev, weights, *place_batch(batch, sh)
                     )
                     micro.append(m)
                 done = step + 1
