@@ -324,7 +324,6 @@ def test_collate_right_pads():
     assert b.input_ids.tolist() == [[1, 2, 3, 0, 0], [4, 0, 0, 0, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
     assert b.loss_mask.tolist() == [[0, 1, 1, 0, 0], [1, 0, 0, 0, 0]]
-    assert b.real_tokens == 4
 
 
 def test_batch_plan_is_deterministic_full_and_bucketed():

@@ -331,3 +331,27 @@ def test_ttt_rejects_eagle1_config(golden_dir, golden_target):
     c1, p1 = official.load_head(golden_dir / "eagle1", golden_target[0])
     with pytest.raises(EagleError, match="EAGLE-3"):
         objective.ttt_loss(p1, c1, None, None, None, jnp.zeros((1, 4), jnp.int32), None, None)
+
+
+@pytest.mark.parametrize("steps", [1, 2])
+def test_ttt_flops_agree_with_the_compilers_count(golden_target, steps):
+    """`ttt_flops` (the training log's model FLOPs) against XLA's cost analysis of the compiled step on unpadded
+    sequences, within 5%, once the masked half of the attention that XLA computes is added. (XLA counts a scan's
+    body once, so only steps <= 2 compare.)"""
+    from eagle_jax.models.config import eagle3_head_like
+    from eagle_jax.models.params import abstract_params
+
+    tcfg = golden_target[0]
+    dcfg = eagle3_head_like(tcfg, 256)
+    b, t, h = 2, 256, tcfg.hidden_size  # long enough for attention to matter (about a fifth)
+    f32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.float32)  # noqa: E731
+    i32 = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    targets = objective.Targets(f32(b, t, 256), i32)
+    step = jax.jit(lambda p, *a: objective.ttt_value_and_grad(p, dcfg, *a, steps=steps))
+    compiled = step.lower(
+        abstract_params(draft.param_specs(dcfg)), f32(tcfg.vocab_size, h), f32(b, t, 3 * h), targets, i32, i32, i32
+    ).compile()
+    cost = compiled.cost_analysis()
+    counted = (cost[0] if isinstance(cost, list) else cost)["flops"]
+    masked = 3 * 4 * dcfg.num_heads * dcfg.head_dim * b * steps * (t * t - t * (t + 1) / 2)  # XLA multiplies them too
+    assert objective.ttt_flops(dcfg, steps, np.full(b, t)) + masked == pytest.approx(counted, rel=0.05)

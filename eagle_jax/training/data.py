@@ -357,10 +357,6 @@ class Batch:
     attention_mask: np.ndarray  # [B, T] int32
     loss_mask: np.ndarray  # [B, T] int32
 
-    @property
-    def real_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
 
 def bucket_sizes(max_length: int, smallest: int = 64) -> tuple[int, ...]:
     """Padded lengths that batches use: `schedule.prompt_bucket`'s from `smallest` (64, 96, 128, 192, 256, ...:

@@ -32,6 +32,7 @@ from eagle_jax.errors import EagleError
 from eagle_jax.models import draft, target
 from eagle_jax.models.config import DraftConfig, TargetConfig
 from eagle_jax.models.layers import attend, linear
+from eagle_jax.models.params import is_spec
 
 VOCAB_MAP_KEYS = ("d2t", "t2d")
 
@@ -280,6 +281,22 @@ def accuracies(metrics: dict) -> np.ndarray:
 def simulated_tau(acces: jax.Array) -> jax.Array:
     """Acceptance length a chain draft would reach: 1 + sum_k prod_{i<=k} acc_i."""
     return 1.0 + jnp.sum(jnp.cumprod(jnp.asarray(acces)))
+
+
+def ttt_flops(dcfg: DraftConfig, steps: int, lengths: np.ndarray) -> float:
+    """Model FLOPs of a TTT training step on sequences of these real lengths [B]: forward and backward, counted
+    as 3x the forward's multiply-adds (fc once, the layer and lm_head once per step; attention over the
+    causal prefix plus the step's earlier TTT keys). Padding and masked work are not counted."""
+    specs = draft.param_specs(dcfg)
+
+    def weights(tree) -> int:
+        return sum(math.prod(s.shape) for s in jax.tree.leaves(tree, is_leaf=is_spec) if len(s.shape) == 2)
+
+    lengths = np.asarray(lengths, np.float64)
+    tokens, pairs = lengths.sum(), (lengths * (lengths + 1) / 2).sum()
+    dense = tokens * (weights(specs["fc"]) + steps * weights([specs["layers"], specs["lm_head"]]))
+    attention = dcfg.num_heads * dcfg.head_dim * (steps * pairs + tokens * steps * (steps - 1) / 2)
+    return 3 * 2 * float(dense + 2 * attention)
 
 
 def smooth_l1(x: jax.Array) -> jax.Array:

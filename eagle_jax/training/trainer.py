@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import signal
 import sys
 import threading
@@ -25,6 +26,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eagle_jax.decoding import speculative
@@ -327,8 +329,26 @@ def record_settings(rc: RunConfig, out: Path) -> None:
         files.write_json_atomic(out / "run.json", settings)
 
 
-def metrics_record(rc: RunConfig, done: int, micro: list[dict], tokens: int, elapsed: float) -> dict:
-    """One metrics.jsonl line from the micro-batches of the step just done."""
+def matmul_peak(mesh: Mesh, dtype=jnp.float32, n: int = 2048) -> float:
+    """The mesh's measured matmul rate in FLOP/s: the best of 5 runs of [n, n] @ [n, n] on every device."""
+    rows = NamedSharding(mesh, PartitionSpec(mesh.axis_names))
+    x = jax.device_put(jnp.ones((mesh.size * n, n), dtype), rows)
+    w = jax.device_put(jnp.ones((n, n), dtype), NamedSharding(mesh, PartitionSpec()))
+    product = jax.jit(lambda a, b: a @ b, out_shardings=rows)
+    product(x, w).block_until_ready()
+    best = math.inf
+    for _ in range(5):
+        t0 = time.perf_counter()
+        product(x, w).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * mesh.size * n**3 / best
+
+
+def metrics_record(
+    rc: RunConfig, done: int, micro: list[dict], tokens: int, flops: float, elapsed: float, peak: float
+) -> dict:
+    """One metrics.jsonl line from the micro-batches of the step just done; `tokens` and the head's model `flops`
+    are those of the steps since the last line, `elapsed` their time, `peak` the measured matmul rate."""
     ms = jax.device_get(micro)
     correct = np.sum([m["n_correct"] for m in ms], axis=0)
     denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
@@ -342,12 +362,17 @@ def metrics_record(rc: RunConfig, done: int, micro: list[dict], tokens: int, ela
         "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
         "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(done - 1)),
         "tokens_per_s": tokens / elapsed,
+        "head_flops_per_s": flops / elapsed,
+        "of_peak": flops / elapsed / peak,
     }
 
 
 def postfix(m: dict) -> str:
     acc = "/".join(f"{a:.2f}" for a in m["acc"])
-    return f"loss {m['loss']:.3f} acc {acc} tau~{m['tau_sim']:.2f} {m['tokens_per_s']:.0f} tok/s"
+    return (
+        f"loss {m['loss']:.3f} acc {acc} tau~{m['tau_sim']:.2f} {m['tokens_per_s']:.0f} tok/s "
+        f"{m['head_flops_per_s'] / 1e9:.0f} GFLOP/s ({m['of_peak']:.0%} of peak)"
+    )
 
 
 def restore(mgr, state: dict, sh: Shardings, out: Path) -> tuple[dict, int]:
@@ -426,7 +451,9 @@ def train(rc: RunConfig) -> dict:
         if prompts and start == 0 and rc.tau_every:
             real_tau(0)
         last: dict = {}
-        tokens, t0 = 0, time.perf_counter()
+        peak = matmul_peak(mesh, compute_dtype)
+        log(f"matmul peak measured on this mesh: {peak / 1e9:.0f} GFLOP/s")
+        tokens, flops, t0 = 0, 0.0, time.perf_counter()
         with stop_between_steps() as stop_asked:
             for step in range(start, rc.steps):
                 micro = []
@@ -437,17 +464,19 @@ def train(rc: RunConfig) -> dict:
                         if rc.features
                         else data.collate([examples[i] for i in rows], length, pad_id)
                     )
-                    tokens += (batch.tokens if rc.features else batch).real_tokens
+                    lengths = (batch.tokens if rc.features else batch).attention_mask.sum(axis=1)
+                    tokens += int(lengths.sum())
+                    flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths)
                     state["params"], state["opt_state"], m = step_fn(
                         state["params"], state["opt_state"], vmap_dev, weights, *place_batch(batch, sh)
                     )
                     micro.append(m)
                 done = step + 1
                 if done % rc.log_every == 0 or done == rc.steps:
-                    last = metrics_record(rc, done, micro, tokens, time.perf_counter() - t0)
+                    last = metrics_record(rc, done, micro, tokens, flops, time.perf_counter() - t0, peak)
                     append_jsonl(out / "metrics.jsonl", last)
                     bar.set_postfix_str(postfix(last), refresh=False)
-                    tokens, t0 = 0, time.perf_counter()
+                    tokens, flops, t0 = 0, 0.0, time.perf_counter()
                 bar.update(1)
                 if prompts and rc.tau_every and done % rc.tau_every == 0:
                     real_tau(done)
