@@ -116,3 +116,28 @@ def test_tpu_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir, ca
     assert narrow["step_gflop"] == wide["step_gflop"] > 0
     assert wide["cycle_gflop"] > narrow["cycle_gflop"] > narrow["step_gflop"]  # more nodes, more work
     assert narrow["cycle_floor_gb"] > narrow["step_floor_gb"] > 0  # the head and its cache on top
+
+
+def test_train_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir):
+    """Offline (stored features) holds less and computes less than online; its flops are the head's TTT step
+    (`ttt_flops`, plus what XLA multiplies under the causal mask, plus the draft-vocabulary readout) within 10%,
+    which needs the TTT scan's body counted once per step."""
+    import numpy as np
+
+    from cli import plan
+    from eagle_jax.training import objective
+    from instruments import train_estimate
+
+    out = tmp_path / "train.json"
+    argv = ["--setup", f"{golden_dir / 'target'}@v6e-8", "--batches", "8", "--length", "64", "--ttt-steps", "3"]
+    assert train_estimate.main([*argv, "--cpu", "--json", str(out)]) == 0
+    online, offline = json.loads(out.read_text())["rows"]
+    assert (online["mode"], offline["mode"]) == ("online", "offline") and online["fits"] and offline["fits"]
+    assert offline["peak_gib"] < online["peak_gib"] and offline["gflop"] < online["gflop"]
+    assert offline["tokens_per_s_per_chip"] > online["tokens_per_s_per_chip"] > 0
+    tcfg, dcfg, _, _ = plan.model_configs(str(golden_dir / "target"))
+    b, t, steps = 8, 64, 3
+    masked = 3 * 4 * dcfg.num_heads * dcfg.head_dim * b * steps * (t * t - t * (t + 1) / 2)
+    readout = 2 * b * t * tcfg.hidden_size * dcfg.draft_vocab_size
+    head = (objective.ttt_flops(dcfg, steps, np.full(b, t)) + masked + readout) / 8  # per device
+    assert offline["gflop"] * 1e9 == pytest.approx(head, rel=0.1)

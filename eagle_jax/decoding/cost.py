@@ -37,6 +37,7 @@ class Chip:
 # Published per-chip figures (Cloud TPU documentation).
 CHIPS = {
     "v5e": Chip("TPU v5e", 197e12, 819e9),
+    "v5p": Chip("TPU v5p", 459e12, 2765e9),
     "v6e": Chip("TPU v6e", 918e12, 1640e9),
 }
 

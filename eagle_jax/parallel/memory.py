@@ -58,6 +58,8 @@ class Program:
     aliased: int  # outputs written in place of donated arguments
     temporaries: int
     refused: str | None = None
+    flops: float = 0.0  # the compiler's cost analysis, per device (a loop body counted once)
+    bytes_accessed: float = 0.0
 
     @property
     def peak(self) -> int:
@@ -134,13 +136,24 @@ def compile_program(name: str, mesh: Mesh, fn: Any, *args: Any) -> Program:
     options = CPU_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
     lowered = fn.lower(*args)
     try:
-        m = lowered.compile(options).memory_analysis()
+        compiled = lowered.compile(options)
     except jax.errors.JaxRuntimeError as exc:
         asked = re.search(r"HLO temporaries \(([0-9.]+)G\)", str(exc))
         if not str(exc).startswith("RESOURCE_EXHAUSTED") or asked is None:
             raise
         return Program(name, device_bytes(args), 0, 0, int(float(asked.group(1)) * GiB), str(exc).splitlines()[0])
-    return Program(name, m.argument_size_in_bytes, m.output_size_in_bytes, m.alias_size_in_bytes, m.temp_size_in_bytes)
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list | tuple) else cost
+    return Program(
+        name,
+        m.argument_size_in_bytes,
+        m.output_size_in_bytes,
+        m.alias_size_in_bytes,
+        m.temp_size_in_bytes,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    )
 
 
 def compiler_name(mesh: Mesh) -> str:

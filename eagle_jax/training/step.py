@@ -149,36 +149,75 @@ def make_train_step(
 
 
 def plan_training(
-    tcfg: TargetConfig, dcfg: DraftConfig, mesh: Mesh, batch: int, seq_len: int, ttt_steps: int = 7, bf16: bool = True
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    mesh: Mesh,
+    batch: int,
+    seq_len: int,
+    ttt_steps: int = 7,
+    bf16: bool = True,
+    offline: bool = False,
 ) -> MemoryPlan:
-    """Compile the train step (`make_train_step`) on [batch, seq_len] token batches with abstract arguments."""
+    """Compile the train step (`make_train_step`) on [batch, seq_len] token batches with abstract arguments;
+    offline: from stored bf16 features, only the target's readout resident."""
     sharding.check_mesh(mesh, tcfg, dcfg, batch)
     compute = jnp.bfloat16 if bf16 else jnp.float32
     optimizer = make_optimizer(5e-5, 1, 1)  # the schedule does not change the state's shapes
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
-    step = make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute)
+    step = make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute, offline)
     trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
     trainable = abstract(trainable_specs, sh.trainable)
     opt_state = abstract(jax.eval_shape(optimizer.init, trainable), sh.opt_state)
     vocab_map = abstract(map_specs, sh.vocab_map)
     tparams = abstract(with_dtype(target.param_specs(tcfg), compute), sh.target)
-    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sh.batch)
+    tokens = (jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sh.batch),) * 3
+    if offline:
+        tparams = {k: tparams[k] for k in ("embed", "lm_head") if k in tparams}
+        rows = (
+            jax.ShapeDtypeStruct((batch, seq_len, 3 * tcfg.hidden_size), jnp.bfloat16, sharding=sh.features),
+            jax.ShapeDtypeStruct((batch, seq_len, tcfg.hidden_size), jnp.bfloat16, sharding=sh.features),
+            jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sh.batch),
+        )
     resident = (
-        ("target parameters (frozen)", device_bytes(tparams)),
+        ("target readout (frozen)" if offline else "target parameters (frozen)", device_bytes(tparams)),
         ("draft parameters (f32 master)", device_bytes(trainable) + device_bytes(vocab_map)),
         ("optimizer state", device_bytes(opt_state)),
     )
     program = compile_program(
-        f"train step ([{batch}, {seq_len}] tokens, {ttt_steps} TTT steps)",
+        f"train step ([{batch}, {seq_len}] tokens, {ttt_steps} TTT steps{', stored features' if offline else ''})",
         mesh,
         step,
         trainable,
         opt_state,
         vocab_map,
         tparams,
-        tokens,
-        tokens,
-        tokens,
+        *tokens,
+        *(rows if offline else ()),
     )
-    title = f"training: batch {batch}, length {seq_len}, {'bf16 compute' if bf16 else 'f32'}, mesh {mesh_text(mesh)}"
+    title = (
+        f"training{' from stored features' if offline else ''}: batch {batch}, length {seq_len}, "
+        f"{'bf16 compute' if bf16 else 'f32'}, mesh {mesh_text(mesh)}"
+    )
     return MemoryPlan(title, mesh.size, compiler_name(mesh), resident, (program,))
+
+
+def step_flops_bytes(
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    mesh: Mesh,
+    batch: int,
+    seq_len: int,
+    ttt_steps: int,
+    bf16: bool,
+    offline: bool,
+) -> tuple[MemoryPlan, float, float]:
+    """The step's memory plan and its flops and bytes accessed per device by the compiler's count, with the TTT
+    scan's body counted `ttt_steps - 1` times (the cost analysis counts a loop body once: the step is compiled
+    a second time with one TTT step, and the difference is the body). Zero costs when the compiler refused it."""
+    plan = plan_training(tcfg, dcfg, mesh, batch, seq_len, ttt_steps, bf16, offline)
+    (full,) = plan.programs
+    if full.refused or ttt_steps == 1:
+        return plan, full.flops, full.bytes_accessed
+    (first,) = plan_training(tcfg, dcfg, mesh, batch, seq_len, 1, bf16, offline).programs
+    scale = lambda one, counted: one + (ttt_steps - 1) * (counted - one)  # noqa: E731
+    return plan, scale(first.flops, full.flops), scale(first.bytes_accessed, full.bytes_accessed)
