@@ -165,6 +165,30 @@ def _ttt_attend(
     return out.reshape(b, t, n, d)
 
 
+@jax.custom_vjp
+def soft_cross_entropy(logits: jax.Array, p: jax.Array, mask: jax.Array) -> jax.Array:
+    """-sum(mask * sum(p * log_softmax(logits))) for logits and targets p [..., V] f32 and a mask [...].
+
+    Its gradient, mask * (softmax(logits) * sum(p) - p), is one elementwise pass over [..., V] (autodiff's
+    log_softmax backward takes several, and on XLA:CPU they dominated a TTT step's time outside the matmuls);
+    p and the mask get none."""
+    return _sce_fwd(logits, p, mask)[0]
+
+
+def _sce_fwd(logits: jax.Array, p: jax.Array, mask: jax.Array):
+    logq = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.sum(mask * jnp.sum(p * logq, axis=-1)), (logq, p, mask)
+
+
+def _sce_bwd(residuals, g):
+    logq, p, mask = residuals
+    dlogits = (g * mask)[..., None] * (jnp.exp(logq) * jnp.sum(p, axis=-1, keepdims=True) - p)
+    return dlogits, None, None
+
+
+soft_cross_entropy.defvjp(_sce_fwd, _sce_bwd)
+
+
 def ttt_loss(
     draft_params: dict,
     dcfg: DraftConfig,
@@ -211,10 +235,9 @@ def ttt_loss(
 
     def step_loss(h: jax.Array, j) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         logits = draft.logits(draft_params, dcfg, h, None)  # [B, T, Vd] f32
-        logq = jax.nn.log_softmax(logits, axis=-1)
         lm_j = window(lm, j)  # [B, T]
         mask_j = masks[j]  # [B, T]
-        loss = -jnp.sum(mask_j * jnp.sum(window(probs, j + 1) * logq, axis=-1)) / (b * t)
+        loss = soft_cross_entropy(logits, window(probs, j + 1), mask_j) / (b * t)
         hit = argmax(logits) == window(target_argmax, j + 1)
         count = lambda x: jnp.sum(x).astype(jnp.int32)  # noqa: E731
         return loss, count(hit * mask_j), count(mask_j), count(lm_j)
