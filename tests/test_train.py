@@ -115,6 +115,8 @@ def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdi
             held,
             "--tau-every",
             30,
+            "--tau-tree",
+            "5/4/1",
         ],
         cli_env(workdir),
     )
@@ -130,6 +132,9 @@ def test_tiny_run_learns_measures_tau_and_exports(target_dir, chain_data, workdi
     assert all(abs(r["tau_sim"] - float(objective.simulated_tau(np.array(r["acc"])))) < 1e-6 for r in rows)
     taus = read_jsonl(out / "tau.jsonl")
     assert [t["step"] for t in taus] == [0, 30] and taus[1]["tau"] > taus[0]["tau"]  # engine on held-out prompts
+    tokenizer = data.chat_tokenizer(target_dir)
+    (length,) = {len(ex.input_ids) for ex in data.load_examples([train], tokenizer, 64, 1024)[0]}  # all alike
+    assert [t["tokens_seen"] for t in taus] == [0, 30 * 8 * length]
 
     # export: exactly the official keys, shapes and dtypes (those of the golden head for this target)
     exported = load_file(str(out / "export" / "model.safetensors"))

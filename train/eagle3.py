@@ -29,6 +29,7 @@ from pathlib import Path
 import jax
 
 from cli import command, plan
+from eagle_jax.decoding.tree import parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.models.config import eagle3_head_like
@@ -66,6 +67,7 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
     )
     p.add_argument("--tau-every", type=int, default=0, help="measure the real tau every K steps (needs --tau-prompts)")
     p.add_argument("--tau-max-new-tokens", type=int, default=64)
+    p.add_argument("--tau-tree", default=None, help="TOTAL/DEPTH/TOP_K for the tau (default: upstream's dynamic tree)")
     p.add_argument(
         "--features",
         default=None,
@@ -80,6 +82,9 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
         raise EagleError(f"--lr must be > 0, got {a.lr}")
     if a.tau_every and not a.tau_prompts:
         raise EagleError("--tau-every needs --tau-prompts FILE")
+    if a.tau_tree is not None:
+        with command.flag("--tau-tree"):
+            parse_envelopes(a.tau_tree)
     with command.flag("--mesh"):
         mesh = sharding.make_mesh(a.mesh or f"fsdp={jax.device_count()}")
     with command.flag("--batch-size"):
@@ -111,6 +116,7 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
         tau_prompts=resolve(a.tau_prompts),
         tau_every=a.tau_every,
         tau_max_new_tokens=a.tau_max_new_tokens,
+        tau_tree=a.tau_tree,
         features=resolve(a.features),
     )
 

@@ -418,6 +418,10 @@ class BatchPlan:
             self._epoch = (e, batches[rng.permutation(self.batches_per_epoch)])
         return self._epoch[1]
 
+    def real_tokens(self, n: int) -> int:
+        """Tokens (padding left out) in batches 0 .. n-1."""
+        return int(sum(self.lengths[self(i)[0]].sum() for i in range(n)))
+
     def __call__(self, i: int) -> tuple[np.ndarray, int]:
         """Batch i -> (example indices [B], padded length)."""
         rows = self.epoch(i // self.batches_per_epoch)[i % self.batches_per_epoch]

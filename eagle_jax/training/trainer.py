@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eagle_jax.decoding import speculative
-from eagle_jax.decoding.tree import DynamicTree
+from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading, official, store
 from eagle_jax.models import draft
@@ -86,6 +86,7 @@ class RunConfig:
     tau_prompts: str | None = None
     tau_every: int = 0
     tau_max_new_tokens: int = 64
+    tau_tree: str | None = None  # TOTAL/DEPTH/TOP_K of the tau measurements (default: upstream's dynamic tree)
     features: str | None = None  # a `train.features` folder for this target and data: train without the target
 
     @property
@@ -223,7 +224,7 @@ def plot_curves(out: Path) -> Path | None:
         else []
     )
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     axes[0].plot(steps, [r["loss"] for r in rows])
     axes[0].set(title="TTT loss", xlabel="step", yscale="log")
     acc = np.asarray([r["acc"] for r in rows])
@@ -236,6 +237,9 @@ def plot_curves(out: Path) -> Path | None:
         axes[2].plot([t["step"] for t in taus], [t["tau"] for t in taus], "o-", label="engine tau")
     axes[2].set(title="tau", xlabel="step")
     axes[2].legend()
+    seen = [t for t in taus if "tokens_seen" in t]
+    axes[3].plot([t["tokens_seen"] / 1e6 for t in seen], [t["tau"] for t in seen], "o-")
+    axes[3].set(title="engine tau on held-out prompts", xlabel="training tokens seen (millions)")
     fig.tight_layout()
     path = out / "curves.png"
     fig.savefig(path, dpi=100)
@@ -266,11 +270,17 @@ def tau_prompts(path: str, tokenizer, limit: int = 16) -> list[list[int]]:
 
 
 def measure_tau(
-    tparams: dict, tcfg: TargetConfig, dparams: dict, dcfg: DraftConfig, prompts: list[list[int]], max_new_tokens: int
+    tparams: dict,
+    tcfg: TargetConfig,
+    dparams: dict,
+    dcfg: DraftConfig,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    tree: DynamicTree = DynamicTree(),
 ) -> float:
-    """Mean tokens per cycle of greedy speculative decoding (EAGLE-2 dynamic tree, upstream defaults)."""
+    """Mean tokens per cycle of greedy speculative decoding (default: EAGLE-2's dynamic tree, upstream defaults)."""
     return speculative.generate(
-        tparams, dparams, prompts, max_new_tokens, speculative.DecodeConfig(tcfg, dcfg, DynamicTree())
+        tparams, dparams, prompts, max_new_tokens, speculative.DecodeConfig(tcfg, dcfg, tree)
     ).tau
 
 
@@ -442,9 +452,13 @@ def train(rc: RunConfig) -> dict:
         if rc.features:
             pad_id = store.pad_id
 
+        tree = parse_envelopes(rc.tau_tree)[0] if rc.tau_tree else DynamicTree()
+
         def real_tau(step: int) -> None:
-            tau = measure_tau(tparams, tcfg, {**state["params"], **vmap_dev}, dcfg, prompts, rc.tau_max_new_tokens)
-            append_jsonl(out / "tau.jsonl", {"step": step, "tau": tau, "prompts": len(prompts)})
+            params = {**state["params"], **vmap_dev}
+            tau = measure_tau(tparams, tcfg, params, dcfg, prompts, rc.tau_max_new_tokens, tree)
+            seen = plan.real_tokens(step * rc.grad_accum)
+            append_jsonl(out / "tau.jsonl", {"step": step, "tau": tau, "prompts": len(prompts), "tokens_seen": seen})
             bar.write(f"step {step}: engine tau {tau:.3f} on {len(prompts)} held-out prompts")
 
         bar = tqdm(total=rc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
