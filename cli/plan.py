@@ -1,8 +1,8 @@
 """Memory plan checked by the compiler: bytes per device of the speculative cycle or a TTT training step.
 
     python -m infer.plan --config llama3.3-70b-eagle3 --mesh tensor=8 --batch 8 --max-len 4096 [--tpu v6e-8]
-    python -m infer.plan --train --config llama3.3-70b-eagle3 --mesh fsdp=8 --batch 8 --max-len 1024 --bf16
-    (`python -m train.eagle3 --plan ...` runs the second)
+    python -m infer.plan --train --config llama3.3-70b-eagle3 --mesh fsdp=8 --batch 8 --max-len 1024 --bf16 [--offline]
+    (`python -m train.eagle3 --plan ...` runs the second; --offline: the step from stored features)
 
 The program is lowered with abstract parameters (shapes, dtypes and shardings only: no weights are
 allocated) and compiled by XLA's SPMD partitioner for the mesh. Inference compiles the engine's
@@ -141,6 +141,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=None, help="prefill prompt length (default: --max-len)")
     p.add_argument("--train", "--plan", dest="train", action="store_true", help="plan a TTT training step instead")
     p.add_argument("--ttt-steps", type=int, default=7)
+    p.add_argument(
+        "--offline",
+        action="store_true",
+        help="training: the step from stored features (train.features): only the target's readout resident",
+    )
     p.add_argument("--bf16", action="store_true", help="training: bf16 target and compute (as train.eagle3 --bf16)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="head vocabulary for a bare model directory")
     p.add_argument(
@@ -172,7 +177,8 @@ def _main(argv: Sequence[str] | None) -> int:
     mesh = sharding.make_mesh(a.mesh or (f"fsdp={n}" if a.train else f"tensor={n}"), devices)
     name = Path(a.config).name.removesuffix(".json")
     if a.train:
-        result = step.plan_training(tcfg, dcfg, mesh, a.batch, a.max_len, a.ttt_steps, bf16=a.bf16 or a.dtype == "bf16")
+        bf16 = a.bf16 or a.dtype == "bf16"
+        result = step.plan_training(tcfg, dcfg, mesh, a.batch, a.max_len, a.ttt_steps, bf16, a.offline)
     else:
         dtype = command.parse_dtype(a.dtype or preset_dtype or "bf16")
         result = programs.plan_inference(

@@ -313,6 +313,15 @@ def test_plan_training(models):
     vocab_map = 48 * 4 + 64  # d2t int32 [48], t2d bool [64], replicated
     assert resident["optimizer state"] >= 2 * (resident["draft parameters (f32 master)"] - vocab_map)
     assert p.programs[0].peak > resident["target parameters (frozen)"]
+    offline = step.plan_training(
+        tcfg, dcfg, sharding.make_mesh("data=2,fsdp=2,tensor=2"), batch=4, seq_len=16, ttt_steps=1, offline=True
+    )
+    held = dict(offline.resident)
+    assert "target parameters (frozen)" not in held  # from stored features: the readout only
+    assert held["target readout (frozen)"] < resident["target parameters (frozen)"]
+    assert {k: v for k, v in held.items() if "target" not in k} == {
+        k: v for k, v in resident.items() if "target" not in k
+    }
 
 
 def test_plan_configs(tmp_path, golden_dir, monkeypatch):
