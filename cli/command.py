@@ -113,6 +113,11 @@ def parse_dtype(name: str | None):
     return jnp.dtype(DTYPES[name])
 
 
+def absolute(path: str | None) -> str | None:
+    """A path flag as a run records it: absolute (so a resumed run started elsewhere finds it); None stays None."""
+    return str(Path(path).absolute()) if path else None
+
+
 def shown_path(path: str | Path | None) -> str | None:
     """A path as reports record it: relative to the working folder when inside it, else its last part
     (reports are shared; the machine's folders are not part of them)."""

@@ -45,3 +45,17 @@ def compiles():
         lambda name, secs, **kw: seen.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
     )
     return seen
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """A folder shared by one test module's tests."""
+    return tmp_path_factory.mktemp("module")
+
+
+@pytest.fixture(scope="module")
+def target_dir(golden_dir, workdir) -> Path:
+    """The golden target with a chat template (weights linked): a `--target` for the training commands."""
+    from convdata import templated_target_dir
+
+    return templated_target_dir(golden_dir, workdir / "target")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from convdata import chain_conversations, next_token_table, templated_target_dir, write_jsonl
+from convdata import chain_conversations, next_token_table, write_jsonl
 from safetensors.numpy import load_file
 
 from eagle_jax.training import features, trainer
@@ -16,16 +16,6 @@ from train import eagle3
 from train import features as features_cli
 
 SETTINGS = dict(batch_size=8, max_length=64, ttt_steps=3, lr=1e-2, draft_vocab_size=64, warmup=2, log_every=1)
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("features")
-
-
-@pytest.fixture(scope="module")
-def target_dir(golden_dir, workdir) -> Path:
-    return templated_target_dir(golden_dir, workdir / "target")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import pytest
 from convdata import (
     chain_conversations,
     next_token_table,
-    templated_target_dir,
     write_jsonl,
 )
 from safetensors.numpy import load_file
@@ -67,16 +66,6 @@ def run_module(module: str, args: list[str], env: dict, timeout: int = 240) -> s
         text=True,
         timeout=timeout,
     )
-
-
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("train")
-
-
-@pytest.fixture(scope="module")
-def target_dir(golden_dir, workdir) -> Path:
-    return templated_target_dir(golden_dir, workdir / "target")
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 
@@ -92,7 +91,7 @@ def parse_args(argv: Sequence[str] | None) -> RunConfig:
     if a.draft_vocab_size is not None:
         with command.flag("--draft-vocab-size"):
             eagle3_head_like(loading.target_config(a.target), a.draft_vocab_size)
-    resolve = lambda x: str(Path(x).absolute()) if x else None  # noqa: E731
+    resolve = command.absolute
     return RunConfig(
         target=resolve(a.target),
         data=tuple(resolve(d) for d in a.data),

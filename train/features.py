@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from cli import command
 from eagle_jax.parallel import sharding
@@ -35,7 +34,7 @@ def _main(argv: Sequence[str] | None) -> int:
     a = p.parse_args(argv)
     with command.flag("--mesh"):
         mesh = sharding.make_mesh(a.mesh) if a.mesh else None
-    resolve = lambda x: str(Path(x).absolute()) if x else None  # noqa: E731
+    resolve = command.absolute
     fc = FeaturesConfig(
         target=resolve(a.target),
         data=tuple(resolve(d) for d in a.data),
