@@ -487,6 +487,7 @@ def train(rc: RunConfig) -> dict:
                     micro.append(m)
                 done = step + 1
                 if done % rc.log_every == 0 or done == rc.steps:
+                    jax.block_until_ready(state)  # the steps so far are done: the interval is their time
                     last = metrics_record(rc, done, micro, tokens, flops, time.perf_counter() - t0, peak)
                     append_jsonl(out / "metrics.jsonl", last)
                     bar.set_postfix_str(postfix(last), refresh=False)
