@@ -2,7 +2,10 @@
 (online) against the step from stored features (offline, `train.features`), by the compiler's count.
 
     python -m instruments.train_estimate [--setup llama3.1-8b-eagle3@v5e-8 ...] [--length 2048]
-        [--ttt-steps 7] [--batches 8,32] [--cpu] [--json OUT] [--md OUT]
+        [--ttt-steps 7] [--batches 8,32] [--modes online,offline] [--cpu] [--json OUT] [--md OUT]
+
+Rows are written to --json one by one: a rerun with the same --json continues with the rows not yet there
+(and the table covers them all).
 
 For each setup (a preset's target + head, bf16 compute, abstract weights: nothing is allocated), each mode
 and each global batch, the training step (`train.step.plan_training`: fsdp over the slice's chips) is compiled
@@ -53,6 +56,7 @@ def estimate(config: str, slice_: str, mode: str, batch: int, length: int, ttt_s
         "mode": mode,
         "batch": batch,
         "length": length,
+        "ttt_steps": ttt_steps,
         "compiler": compiler,
         "peak_gib": mem.peak / memory.GiB,
         "fits": not program.refused and mem.peak <= hbm,
@@ -73,7 +77,7 @@ def estimate(config: str, slice_: str, mode: str, batch: int, length: int, ttt_s
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| setup | mode | batch | peak GiB/chip | fits | GFLOP/chip | GB/chip | compute ms | step ms | bound "
+        "| setup | mode | batch x length | peak GiB/chip | fits | GFLOP/chip | GB/chip | compute ms | step ms | bound "
         "| tokens/s/chip |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -85,7 +89,9 @@ def table(rows: list[dict]) -> str:
             else "- | - | - | - | - | -"
         )
         fits = "yes" if r["fits"] else "no (refused)" if r["refused"] else "no"
-        lines.append(f"| {r['setup']} | {r['mode']} | {r['batch']} | {r['peak_gib']:.1f} | {fits} | {figures} |")
+        lines.append(
+            f"| {r['setup']} | {r['mode']} | {r['batch']} x {r['length']} | {r['peak_gib']:.1f} | {fits} | {figures} |"
+        )
     return "\n".join(lines)
 
 
@@ -114,21 +120,24 @@ def _main(argv: Sequence[str] | None) -> int:
     if not use_tpu:
         with contextlib.suppress(RuntimeError):
             jax.config.update("jax_num_cpu_devices", max(SLICES[s][1] for _, s in setups))
-    rows = []
     modes = a.modes.split(",")
     if not set(modes) <= set(MODES):
         raise EagleError(f"--modes {a.modes}: choose from {', '.join(MODES)}")
+    key = lambda r: (r["setup"], r["mode"], r["batch"], r["length"], r["ttt_steps"])  # noqa: E731
+    rows = files.read_json(a.json)["rows"] if a.json and Path(a.json).is_file() else []  # an earlier run's: kept
+    done = {key(r) for r in rows}
     jobs = [(c, s, m, b) for c, s in setups for m in modes for b in batches]
+    jobs = [j for j in jobs if (f"{j[0]}@{j[1]}", j[2], j[3], a.length, a.ttt_steps) not in done]
     for config, slice_, mode, batch in tqdm(jobs, desc="compile", unit="step", file=sys.stderr):
         rows.append(estimate(config, slice_, mode, batch, a.length, a.ttt_steps, use_tpu))
         tqdm.write(table(rows[-1:]).splitlines()[-1], file=sys.stderr)
+        if a.json:  # after each row: a rerun continues with the rows not yet there
+            files.write_json_atomic(Path(a.json), {"what": "estimate, not a measurement", "rows": rows})
     text = (
-        f"ESTIMATE (no TPU was used): EAGLE-3 training step, length {a.length}, {a.ttt_steps} TTT steps, bf16 "
-        f"compute, fsdp over the chips; roofline per chip\n\n{table(rows)}\n"
+        f"ESTIMATE (no TPU was used): EAGLE-3 training step, {a.ttt_steps} TTT steps, bf16 compute, fsdp over the "
+        f"chips; roofline per chip\n\n{table(rows)}\n"
     )
     print(text)
-    if a.json:
-        files.write_json_atomic(Path(a.json), {"what": "estimate, not a measurement", "rows": rows})
     if a.md:
         files.write_text_atomic(Path(a.md), text)
     return 0

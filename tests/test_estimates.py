@@ -141,3 +141,7 @@ def test_train_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir):
     readout = 2 * b * t * tcfg.hidden_size * dcfg.draft_vocab_size
     head = (objective.ttt_flops(dcfg, steps, np.full(b, t)) + masked + readout) / 8  # per device
     assert offline["gflop"] * 1e9 == pytest.approx(head, rel=0.1)
+    # a rerun with the same --json keeps its rows and adds the missing ones
+    assert train_estimate.main([*argv[:3], "8,16", *argv[4:], "--modes", "offline", "--cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows[:2] == [online, offline] and [(r["mode"], r["batch"]) for r in rows[2:]] == [("offline", 16)]
