@@ -76,7 +76,8 @@ def _main(argv: Sequence[str] | None) -> int:
                 f"{offline['of_peak']:.0%} of peak): {rounds[-1]['ratio']:.2f}x",
                 flush=True,
             )
-    report = {"command": "python -m instruments.train_speed " + " ".join(argv), "rounds": rounds}
+    shown = " ".join(argv).replace(str(Path.home()), "~")  # the report is shared, this machine's folders are not
+    report = {"command": f"python -m instruments.train_speed {shown}", "rounds": rounds}
     report["ratio"] = statistics.median(r["ratio"] for r in rounds)
     print(f"offline / online tokens/s: {report['ratio']:.2f}x (median of {len(rounds)} rounds)")
     if a.json:
