@@ -48,11 +48,12 @@ def run(target_dir: Path, data: Path, out: Path, store: Path | None = None, mesh
 
 
 def test_training_from_stored_features_equals_training_with_the_target(target_dir, conversations, stores, tmp_path):
-    """The same batches, losses, accuracies and gradient norms (float32 store: equal to 1e-6 relative, 1e-5 on
-    another mesh; bf16 store: losses within 1%), and the same head after the steps (float32 store)."""
+    """The same batches, losses, accuracies and gradient norms (float32 store, and another mesh than the online
+    run's fsdp=8: within 1e-5 relative; bf16 store: losses within 1%), and the same head after the steps (float32
+    store)."""
     online = run(target_dir, conversations, tmp_path / "online")
     head = load_file(str(tmp_path / "online" / "export" / "model.safetensors"))
-    for dtype, rtol, mesh in (("fp32", 1e-6, None), ("fp32", 1e-5, "data=2,fsdp=2,tensor=2"), ("bf16", 1e-2, None)):
+    for dtype, rtol, mesh in (("fp32", 1e-5, "data=2,fsdp=2,tensor=2"), ("bf16", 1e-2, None)):
         offline = run(target_dir, conversations, tmp_path / f"{dtype}-{mesh}", stores[dtype], mesh)
         assert [r["step"] for r in offline] == [1, 2, 3, 4]
         for a, b in zip(online, offline):
