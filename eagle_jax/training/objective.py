@@ -200,6 +200,7 @@ def ttt_loss(
     loss_mask: jax.Array,
     steps: int = 7,
     step_weight: float = 0.8,
+    unroll: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Official EAGLE-3 TTT objective -> (sum_j step_weight**j * plosses[j] (f32), metrics).
 
@@ -207,7 +208,8 @@ def ttt_loss(
     `Targets`), input_ids / attention_mask / loss_mask [B, T]. Metrics, each [steps]: `plosses` f32, `acces` f32
     (`accuracies` gives the exact float64 values), `n_correct`, `n_counted` (positions with mask 1)
     and `loss_mask_sum` (the accuracy denominator without 1e-6), int32.
-    Steps 1.. run as one `lax.scan`. Jit with `static_argnames=("dcfg", "steps", "step_weight")`.
+    Steps 1.. run as one `lax.scan` (unrolled with `unroll`, e.g. for a compiler's cost analysis, which counts a
+    loop body once). Jit with `static_argnames=("dcfg", "steps", "step_weight", "unroll")`.
     """
     if dcfg.kind != "eagle3":
         raise EagleError(f"TTT trains EAGLE-3 heads, got a {dcfg.kind} config")
@@ -260,7 +262,7 @@ def ttt_loss(
     parts = [tuple(x[None] for x in first)]
     if steps > 1:
         buf = jnp.zeros((b, steps - 1) + k0.shape[1:], k0.dtype)  # [B, S-1, T, KV, D]
-        parts.append(jax.lax.scan(later_step, (h, buf, buf), jnp.arange(1, steps))[1])
+        parts.append(jax.lax.scan(later_step, (h, buf, buf), jnp.arange(1, steps), unroll=unroll)[1])
     plosses, n_correct, n_counted, lm_sums = (jnp.concatenate(xs) for xs in zip(*parts))
     total = jnp.sum(plosses * step_weight ** jnp.arange(steps, dtype=jnp.float32))
     metrics = {

@@ -91,14 +91,16 @@ def make_train_step(
     sh: Shardings,
     compute_dtype=jnp.float32,
     offline: bool = False,
+    unroll: bool = False,
 ) -> Callable:
     """The jitted train step -> (trainable, opt_state, metrics).
 
     Online: (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask): the target runs forward
     (no gradient, not in the optimiser). Offline (`features.FeatureStore`): (trainable, opt_state, vocab_map,
     readout, ids, attn, loss_mask, features [B, T, 3Ht], hidden [B, T, Ht], argmax [B, T]), `readout` the
-    target's embed (and lm_head when untied). The draft computes in `compute_dtype` from fp32 master weights;
-    the loss is fp32. Metrics are sums/values of one micro-batch.
+    target's embed (and lm_head when untied). `unroll` unrolls the TTT steps (for cost analysis). The draft
+    computes in `compute_dtype` from fp32 master weights; the loss is fp32. Metrics are sums/values of one
+    micro-batch.
     """
 
     def update(trainable, opt_state, vocab_map, embed, features, targets, input_ids, attention_mask, loss_mask):
@@ -113,6 +115,7 @@ def make_train_step(
             loss_mask,
             steps=ttt_steps,
             compute_dtype=compute_dtype,
+            unroll=unroll,
         )
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
         trainable = optax.apply_updates(trainable, updates)
@@ -157,6 +160,7 @@ def plan_training(
     ttt_steps: int = 7,
     bf16: bool = True,
     offline: bool = False,
+    unroll: bool = False,
 ) -> MemoryPlan:
     """Compile the train step (`make_train_step`) on [batch, seq_len] token batches with abstract arguments;
     offline: from stored bf16 features, only the target's readout resident."""
@@ -164,7 +168,7 @@ def plan_training(
     compute = jnp.bfloat16 if bf16 else jnp.float32
     optimizer = make_optimizer(5e-5, 1, 1)  # the schedule does not change the state's shapes
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
-    step = make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute, offline)
+    step = make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute, offline, unroll)
     trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
     trainable = abstract(trainable_specs, sh.trainable)
     opt_state = abstract(jax.eval_shape(optimizer.init, trainable), sh.opt_state)
@@ -211,13 +215,12 @@ def step_flops_bytes(
     bf16: bool,
     offline: bool,
 ) -> tuple[MemoryPlan, float, float]:
-    """The step's memory plan and its flops and bytes accessed per device by the compiler's count, with the TTT
-    scan's body counted `ttt_steps - 1` times (the cost analysis counts a loop body once: the step is compiled
-    a second time with one TTT step, and the difference is the body). Zero costs when the compiler refused it."""
+    """The step's memory plan and its flops and bytes accessed per device by the compiler's count. A cost analysis
+    counts a loop body once, so the costs come from a second compile with the TTT steps unrolled (the memory plan
+    is the real, rolled step's). Zero costs when the compiler refused the step."""
     plan = plan_training(tcfg, dcfg, mesh, batch, seq_len, ttt_steps, bf16, offline)
-    (full,) = plan.programs
-    if full.refused or ttt_steps == 1:
-        return plan, full.flops, full.bytes_accessed
-    (first,) = plan_training(tcfg, dcfg, mesh, batch, seq_len, 1, bf16, offline).programs
-    scale = lambda one, counted: one + (ttt_steps - 1) * (counted - one)  # noqa: E731
-    return plan, scale(first.flops, full.flops), scale(first.bytes_accessed, full.bytes_accessed)
+    (rolled,) = plan.programs
+    if rolled.refused:
+        return plan, 0.0, 0.0
+    (unrolled,) = plan_training(tcfg, dcfg, mesh, batch, seq_len, ttt_steps, bf16, offline, unroll=True).programs
+    return plan, unrolled.flops, unrolled.bytes_accessed
