@@ -280,10 +280,9 @@ def extract(fc: FeaturesConfig, mesh: Mesh | None = None) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class StoredBatch:
-    """A right-padded training batch with the target's stored side."""
+class StoredBatch(data.Batch):
+    """A right-padded training batch (`data.Batch`) with the target's stored side."""
 
-    tokens: data.Batch  # input_ids / attention_mask / loss_mask [B, T]
     features: np.ndarray  # [B, T, 3Ht] stored dtype; zero past each conversation's padding row
     hidden: np.ndarray  # [B, T, Ht] stored dtype
     argmax: np.ndarray  # [B, T] int32
@@ -380,7 +379,7 @@ class FeatureStore:
                 part = np.asarray(self._rows(i, n)[:length])
                 part = _from_disk(part, self.dtype) if n in width else part
                 out[n][r, : len(part)] = part
-        return StoredBatch(tokens, out["features"], out["hidden"], out["argmax"])
+        return StoredBatch(**vars(tokens), **out)
 
     def readout(self) -> dict[str, np.ndarray]:
         """The target's embed [V, Ht] (and lm_head [Ht, V] when untied), in its dtype."""

@@ -1,4 +1,5 @@
-"""An EAGLE-3 training run: data, vocabulary map, sharded train steps, checkpoints, logs and export.
+"""An EAGLE-3 training run: data (or stored target features), vocabulary map, sharded train steps, checkpoints,
+logs and export.
 
 `train(RunConfig(...))` runs or resumes a run in its output folder, which holds run.json (the
 settings), vocab_map.npz (d2t, t2d, loss-masked token counts), ckpt/ (orbax training state),
@@ -30,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from eagle_jax.decoding import speculative
-from eagle_jax.decoding.tree import DynamicTree, parse_envelopes
+from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading, official, store
 from eagle_jax.models import draft
@@ -94,10 +95,9 @@ class RunConfig:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
 
-def place_batch(b: data.Batch | features.StoredBatch, sh: Shardings) -> tuple[jax.Array, ...]:
+def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, ...]:
     """The step's batch arguments: ids, attention and loss masks [B, T] (and, from a store, its rows)."""
-    tokens = b.tokens if isinstance(b, features.StoredBatch) else b
-    placed = tuple(sharding.put(x, sh.batch) for x in (tokens.input_ids, tokens.attention_mask, tokens.loss_mask))
+    placed = tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
     if isinstance(b, features.StoredBatch):
         placed += (
             sharding.put(b.features, sh.features),
@@ -276,7 +276,7 @@ def measure_tau(
     dcfg: DraftConfig,
     prompts: list[list[int]],
     max_new_tokens: int,
-    tree: DynamicTree = DynamicTree(),
+    tree: TreeConfig = DynamicTree(),
 ) -> float:
     """Mean tokens per cycle of greedy speculative decoding (default: EAGLE-2's dynamic tree, upstream defaults)."""
     return speculative.generate(
@@ -430,13 +430,11 @@ def train(rc: RunConfig) -> dict:
     tparams = (
         loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1] if prompts or not rc.features else None
     )
-    weights = (
-        sharding.place(
-            jax.tree.map(lambda x: x.astype(compute_dtype), store.readout()), {k: sh.target[k] for k in store.readout()}
-        )
-        if rc.features
-        else tparams
-    )
+    if rc.features:
+        readout = jax.tree.map(lambda x: x.astype(compute_dtype), store.readout())
+        weights = sharding.place(readout, {k: sh.target[k] for k in readout})
+    else:
+        weights = tparams
     vmap_dev = sharding.place(maps, sh.vocab_map)
     trainable = sharding.place(trainable_init, sh.trainable)
     opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)
@@ -448,9 +446,12 @@ def train(rc: RunConfig) -> dict:
         plan = data.BatchPlan(
             [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
         )
-        pad_id = tokenizer.pad_token_id or 0
-        if rc.features:
-            pad_id = store.pad_id
+        pad_id = store.pad_id if rc.features else tokenizer.pad_token_id or 0
+
+        def batch_of(rows: np.ndarray, length: int) -> data.Batch:
+            if rc.features:
+                return store.batch(rows, length)
+            return data.collate([examples[i] for i in rows], length, pad_id)
 
         tree = parse_envelopes(rc.tau_tree)[0] if rc.tau_tree else DynamicTree()
 
@@ -473,12 +474,8 @@ def train(rc: RunConfig) -> dict:
                 micro = []
                 for k in range(rc.grad_accum):
                     rows, length = plan(step * rc.grad_accum + k)
-                    batch = (
-                        store.batch(rows, length)
-                        if rc.features
-                        else data.collate([examples[i] for i in rows], length, pad_id)
-                    )
-                    lengths = (batch.tokens if rc.features else batch).attention_mask.sum(axis=1)
+                    batch = batch_of(rows, length)
+                    lengths = batch.attention_mask.sum(axis=1)
                     tokens += int(lengths.sum())
                     flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths)
                     state["params"], state["opt_state"], m = step_fn(
