@@ -5,8 +5,9 @@ Compiled programs are stored under `$EAGLE_JAX_CACHE/jax/<jax>-<jaxlib>-<platfor
 be deleted whole. JAX keys each entry by the program, the compile options and the XLA flags; reads and writes
 take a file lock (two processes starting at once, e.g. the hosts of a server, do not corrupt it), only process 0
 of a multi-host job writes, and least recently used entries are evicted beyond `MAX_BYTES`. An entry that cannot
-be read is compiled again (JAX warns once per entry). `EAGLE_JAX_COMPILE_CACHE=0` turns it off; a
-`JAX_COMPILATION_CACHE_DIR` set by the user is left as it is.
+be read is compiled again (JAX warns once per entry). The programs compiled ahead of time are also kept whole in
+`executables/` inside it (`eagle_jax.decoding.executables`: a second start neither traces nor lowers them).
+`EAGLE_JAX_COMPILE_CACHE=0` turns both off; a `JAX_COMPILATION_CACHE_DIR` set by the user is left as it is.
 """
 
 from __future__ import annotations

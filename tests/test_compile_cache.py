@@ -1,16 +1,21 @@
-"""The persistent compilation cache every command keeps (`cli.compile_cache`): a second process loads what the
-first compiled, two processes starting at once share it, a damaged entry is compiled again, and it can be off."""
+"""The persistent compilation cache every command keeps (`cli.compile_cache`, and the executable store inside it,
+`decoding.executables`): a second process loads what the first compiled, two processes starting at once share it, a
+damaged entry is compiled again, and it can be off."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from procs import finish, launch
 
 from cli import compile_cache
+from eagle_jax.decoding import executables
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 ARGS = ["--target", str(GOLDEN / "target"), "--draft", str(GOLDEN / "eagle3"), "--prompt-ids", "5,6,7,8,9"]
@@ -77,3 +82,60 @@ def test_the_folder_names_versions_platform_and_device_kind(tmp_path, monkeypatc
     monkeypatch.setattr(jax, "devices", lambda: [Device()])
     name = compile_cache.folder().relative_to(tmp_path / "jax").as_posix()
     assert name == f"jax{jax.__version__}-jaxlib{jaxlib.__version__}-{Device.platform}-{kind.replace(' ', '_')}", name
+
+
+def _session(root: Path) -> subprocess.Popen:
+    """tests/session_proc.py (a chat session on the golden pair) with its cache under `root`."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env |= {"EAGLE_JAX_CACHE": str(root), compile_cache.OFF: "1", "JAX_PLATFORMS": "cpu"}
+    script = Path(__file__).resolve().parent / "session_proc.py"
+    pipe = subprocess.PIPE
+    return subprocess.Popen([sys.executable, script], env=env, text=True, stdout=pipe, stderr=pipe)
+
+
+def _report(proc: subprocess.Popen) -> tuple[dict, str]:
+    out, err = finished(proc)
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def test_a_second_process_neither_traces_nor_compiles_a_sessions_programs(tmp_path):
+    root = tmp_path / "cache"
+    (a, _), (b, _) = (_report(p) for p in [_session(root), _session(root)])  # at once, on an empty cache
+    assert a["answer"] == b["answer"] and len(a["answer"]) == 12
+    assert sorted(a["traced"]) == ["cycle", "cycle", "extend"], a
+    entries = sorted(root.glob("jax/*/executables/*.bin"))
+    assert len(entries) == a["programs"] == 3, entries
+
+    again, _ = _report(_session(root))
+    assert again == {**a, "traced": [], "compiled": []}
+
+    for entry in entries:  # damaged: traced and compiled again, the same answer, the entries replaced
+        entry.write_bytes(b"not an executable")
+    damaged, err = _report(_session(root))
+    assert damaged == a and "unreadable" in err
+    assert all(e.read_bytes() != b"not an executable" for e in entries)
+
+
+def test_a_program_is_keyed_by_what_it_is_made_of(tmp_path, monkeypatch):
+    import jax
+    import numpy as np
+
+    from eagle_jax.decoding import programs, speculative
+
+    monkeypatch.setattr(executables, "folder", lambda: tmp_path)
+    x = np.zeros((2, 3), np.float32)
+    key = lambda fn, arg=x, **static: executables.key(*programs._program(fn, (arg,), static))  # noqa: E731
+    base = key(speculative.cycle, span=8)
+    assert base and base == key(speculative.cycle, span=8)
+    assert len({base, key(speculative.cycle, span=16), key(speculative.extend, span=8)}) == 3
+    assert base != key(speculative.cycle, np.zeros((2, 4), np.float32), span=8)
+    assert base != key(speculative.cycle, np.zeros((2, 3), np.int32), span=8)
+    assert key(jax.jit(lambda v: v)) is None  # not a module-level function of the package: its closure is unseen
+    assert key(speculative.cycle, span=object()) is None  # a static argument with no stable text
+
+    package = tmp_path / "eagle_jax"  # the package's source is in every key
+    shutil.copytree(Path(executables.eagle_jax.__file__).parent, package)
+    monkeypatch.setattr(executables.eagle_jax, "__file__", str(package / "__init__.py"))
+    same = executables._fingerprint.__wrapped__()
+    (package / "decoding" / "speculative.py").write_text("# changed\n", encoding="utf-8")
+    assert executables._fingerprint.__wrapped__() != same

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from eagle_jax.decoding import speculative
+from eagle_jax.decoding import executables, speculative
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.speculative import DecodeConfig, SpecResult, SpecState
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig
@@ -118,7 +118,7 @@ def spec_programs(cfg: DecodeConfig, capacity: int, mesh: Mesh) -> SpecPrograms:
 
 # Programs compiled ahead of time: lowered on arguments shaped like the real ones and compiled on worker threads,
 # so nothing runs to compile them, several compile at once (XLA compiles a program on one core), and a program a
-# caller needs first is not held up by the rest. JAX's persistent cache serves a second start.
+# caller needs first is not held up by the rest. The executable store (`executables`) serves a second start.
 COMPILE_WORKERS = min(4, os.cpu_count() or 1)
 _COMPILER = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="eagle-jax-compile")
 _COMPILED: dict[tuple, concurrent.futures.Future] = {}
@@ -138,13 +138,23 @@ def _program(fn: Any, args: tuple, static: dict) -> tuple:
     return fn, tuple(sorted(static.items())), tree, tuple(_shape(x) for x in leaves)
 
 
+def _executable(program: tuple) -> jax.stages.Compiled:
+    """A program loaded from the executable store (`executables`), else traced, lowered, compiled and stored."""
+    fn, static, tree, shapes = program
+    name = executables.key(*program)
+    compiled = executables.load(name) if name else None
+    if compiled is None:
+        compiled = fn.lower(*tree.unflatten(shapes), **dict(static)).compile()
+        if name:
+            executables.store(name, compiled)
+    return compiled
+
+
 def _compile(program: tuple) -> concurrent.futures.Future:
     """The future of a program's executable: the one under way or done, else (never asked, or cancelled) a new one."""
     with _COMPILED_LOCK:
         if program not in _COMPILED or _COMPILED[program].cancelled():
-            fn, static, tree, shapes = program
-            lower = lambda: fn.lower(*tree.unflatten(shapes), **dict(static)).compile()  # noqa: E731
-            _COMPILED[program] = _COMPILER.submit(lower)
+            _COMPILED[program] = _COMPILER.submit(_executable, program)
         return _COMPILED[program]
 
 

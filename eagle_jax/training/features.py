@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
+from eagle_jax.decoding import sampling
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
 from eagle_jax.models.config import TargetConfig, eagle3_head_like
@@ -171,7 +172,7 @@ def _open_folder(fc: FeaturesConfig, mine: dict) -> tuple[Path, dict]:
 def _target_rows(tparams: dict, input_ids: jax.Array, attention_mask: jax.Array, *, tcfg, layers, dtype):
     """[B, T] -> features [B, T, 3Ht], hidden [B, T, Ht] (in `dtype`), full-vocabulary argmax [B, T] int32."""
     out = objective.target_outputs(tparams, tcfg, input_ids, attention_mask, layers)
-    return out.features.astype(dtype), out.hidden.astype(dtype), jnp.argmax(out.logits, axis=-1).astype(jnp.int32)
+    return out.features.astype(dtype), out.hidden.astype(dtype), sampling.argmax(out.logits)
 
 
 def _write_shard(folder: Path, arrays: dict[str, np.ndarray]) -> int:
