@@ -104,9 +104,12 @@ class Models:
     mesh: Mesh | None  # parameters sharded over it (generation runs the mesh programs), else one device
 
 
-def load_models(target_dir: Path, draft_dir: Path | None, kind: str | None, dtype, mesh: Mesh | None) -> Models:
-    """Target and head on the mesh (or the default device); the head in the target's floating dtype."""
-    tcfg, tparams = loading.load_target(target_dir, dtype, mesh)
+def load_models(
+    target_dir: Path, draft_dir: Path | None, kind: str | None, dtype, mesh: Mesh | None, quantize: str | None = None
+) -> Models:
+    """Target (quantised by `quantize`, e.g. "int8") and head on the mesh (or the default device); the head in the
+    target's floating dtype."""
+    tcfg, tparams = loading.load_target(target_dir, dtype, mesh, quantize=quantize)
     if mesh is None:
         tparams = jax.device_put(tparams)
     if draft_dir is None:

@@ -32,10 +32,11 @@ class Runner:
         max_prompt_tokens: int,
         chat_template: str | None = None,
         seed: int = 0,
+        quantize: str | None = None,
     ):
         # float32 compute: half-precision checkpoints (the shipped demo pair) are upcast
         self.paths = (Path(target_dir), None if draft_dir is None else Path(draft_dir))
-        self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32)
+        self.tcfg, self.tparams = loading.load_target(target_dir, dtype=np.float32, quantize=quantize)
         self.dcfg = self.dparams = None
         if draft_dir is not None:
             self.dcfg, self.dparams = loading.load_draft(draft_dir, self.tcfg, dtype=np.float32)

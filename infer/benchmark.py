@@ -244,6 +244,7 @@ def run_benchmark(args, log=print) -> dict:
         args.max_prompt_tokens,
         args.chat_template,
         args.seed,
+        args.quantize,
     )
     assert runner.tokenizer.chat_template  # questions are chat prompts: fail now if there is no template
     tree, auto = choose_tree(runner, args, files_, log)
@@ -312,6 +313,7 @@ def run_benchmark(args, log=print) -> dict:
         {
             "target": command.shown_path(args.target),
             "draft": command.shown_path(args.draft),
+            "quantize": args.quantize,
             "temperature": args.temperature,
             "max_new_tokens": args.max_new_tokens,
             "batch": args.batch,
@@ -352,6 +354,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--target", default=None, help="default: the demo pair (see `cli.demo`)")
     ap.add_argument("--draft", default=None, help=f"{presets.DRAFT_HELP} (default: the demo pair's head)")
     ap.add_argument("--chat-template", default=None, help="jinja file, if the tokenizer has no chat template")
+    ap.add_argument(
+        "--quantize", help="quantise the target's weights as it loads: int8 (weight-only, one scale per output channel)"
+    )
     ap.add_argument("--total-tokens", type=int, default=None, help="tree nodes including the root")
     ap.add_argument("--depth", type=int, default=None)
     ap.add_argument("--tree-top-k", type=int, default=None)

@@ -92,6 +92,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected)")
     src.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     src.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (default: preset, else one device)")
+    src.add_argument(
+        "--quantize", help="quantise the target's weights as it loads: int8 (weight-only, one scale per output channel)"
+    )
     inp = p.add_argument_group("input")
     inp.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     inp.add_argument("--prompt-file", help="file whose whole text is the prompt")
@@ -168,7 +171,7 @@ def load(a: argparse.Namespace, preset: presets.Preset | None, mesh_text: str | 
     dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else None))
     with command.flag("--mesh") if mesh_text else contextlib.nullcontext():  # names --mesh only when one is given
         mesh = sharding.make_mesh(mesh_text) if mesh_text else None
-        return generation.load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh)
+        return generation.load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh, a.quantize)
 
 
 def encode(

@@ -77,6 +77,9 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--no-spec", action="store_true", help="plain decoding (the head only follows along)")
     p.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     p.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (data must divide --max-batch)")
+    p.add_argument(
+        "--quantize", help="quantise the target's weights as it loads: int8 (weight-only, one scale per output channel)"
+    )
     a = p.parse_args(argv)
     for name, low in (("max_batch", 1), ("max_len", 1), ("max_queue", 0), ("max_tokens", 1), ("max_request_bytes", 1)):
         if getattr(a, name) is not None and getattr(a, name) < low:
@@ -95,7 +98,7 @@ def _main(argv: Sequence[str] | None) -> int:
     with command.flag("--mesh"):
         mesh = sharding.make_mesh(mesh_text) if mesh_text else None
         batcher.check_hosts(mesh)
-        m = generation.load_models(target_dir, draft_dir, None, dtype, mesh)
+        m = generation.load_models(target_dir, draft_dir, None, dtype, mesh, a.quantize)
     tcfg, tparams, dcfg, dparams = m.tcfg, m.tparams, m.dcfg, m.dparams
     with command.flag("--target"):
         tok = loading.load_tokenizer(target_dir, preset.chat_template if preset else None)

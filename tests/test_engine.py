@@ -15,7 +15,7 @@ from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
 from eagle_jax.io import loading
-from eagle_jax.models import kv_cache
+from eagle_jax.models import kv_cache, quantize
 
 SETTINGS = {"t60_d7_k10": DynamicTree(60, 7, 10), "t16_d4_k4": DynamicTree(16, 4, 4)}
 
@@ -399,6 +399,7 @@ SAMPLING_CASES = {
         SamplingConfig(0.8, top_p=0.9),
     ),
     "eagle3-narrow-topk": ("eagle3", DynamicTree(12, 4, 2), SamplingConfig(1.0, top_k=5)),
+    "eagle3-int8-target": ("eagle3+int8", DynamicTree(8, 3, 3), SamplingConfig(0.8)),  # the int8 target's law
     # candidates from the context, alone and grafted onto a tree (one-token matches: nearly every cycle has some);
     # at low temperatures the target repeats itself and its first candidate is taken in ~18% of the cycles
     "context-alone": ("eagle3", NoDraft(context=4, min_match=1), SamplingConfig(0.3)),
@@ -409,9 +410,13 @@ ROWS, NEW = 2400, 16
 
 
 def _sampling_models(kind: str):
+    """kind: the head's, + a quantisation method for the target (e.g. eagle3+int8)."""
+    head, _, method = kind.partition("+")
     tcfg, tparams = tiny_target("llama", seed=11, vocab=16, hidden=32)
     tparams = jax.tree.map(lambda x: x * 0.5 if x.ndim >= 2 else x, tparams)  # soft target distributions
-    dcfg, dparams = tiny_draft(kind, tcfg, seed=12, draft_vocab=12 if kind == "eagle3" else None)
+    dcfg, dparams = tiny_draft(head, tcfg, seed=12, draft_vocab=12 if head == "eagle3" else None)
+    if method:
+        tcfg, tparams = quantize.quantize_target(tcfg, tparams, method)
     return tcfg, tparams, dcfg, dparams
 
 

@@ -45,14 +45,21 @@ def target_config(path: str | Path) -> TargetConfig:
 
 
 def load_target(
-    path: str | Path, dtype: Any = None, mesh: Mesh | None = None, progress: bool = False
+    path: str | Path, dtype: Any = None, mesh: Mesh | None = None, progress: bool = False, quantize: str | None = None
 ) -> tuple[TargetConfig, PyTree]:
-    """(config, parameters) of a target; dtype None keeps the stored one."""
-    if mesh is not None:
-        sharding.check_mesh(mesh, target_config(path))
+    """(config, parameters) of a target; dtype None keeps the stored one; `quantize` ("int8") quantises its
+    weights after loading them (`models.quantize`)."""
+    if mesh is not None or quantize:
+        cfg = target_config(path)
+        if mesh is not None:
+            sharding.check_mesh(mesh, cfg)
+        if quantize:
+            from eagle_jax.models import quantize as quantizing  # qwix loads only for a quantised target (0.3 s)
+
+            quantizing.check(cfg, quantize)
     if store.is_store(path):
-        return store.load_target_store(path, dtype, mesh)
-    if is_gguf(path):
+        cfg, params = store.load_target_store(path, dtype, mesh)
+    elif is_gguf(path):
         from eagle_jax.io import gguf
 
         model = gguf.read_gguf(path, progress)
@@ -60,6 +67,8 @@ def load_target(
         params = hf.target_params_from_tensors(model.tensors, cfg, str(path), dtype)
     else:
         cfg, params = hf.load_target(path, dtype, progress)
+    if quantize:
+        cfg, params = quantizing.quantize_target(cfg, params, quantize)
     return cfg, params if mesh is None else sharding.place(params, sharding.target_shardings(cfg, mesh))
 
 

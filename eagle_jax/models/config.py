@@ -58,6 +58,7 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    quantize: str | None = None  # "int8": weight-only int8 weights (`models.quantize`)
 
     @property
     def is_moe(self) -> bool:

@@ -96,7 +96,12 @@ def attend(
 
 
 def linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, out_dtype=None) -> jax.Array:
-    """x [..., in] @ w [in, out] (+ b), accumulated and returned in `out_dtype` (default: the operands')."""
+    """x [..., in] @ w [in, out] (+ b), accumulated and returned in `out_dtype` (default: the operands'). A quantised
+    w (`quantize`: a qwix.QArray) is dequantised where the product reads it; XLA fuses the two."""
+    if hasattr(w, "qvalue"):
+        import qwix  # loaded already (it made w); importing it up front would add 0.3 s to every start
+
+        w = qwix.dequantize(w)
     y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=out_dtype)
     return y if b is None else y + b
 

@@ -65,7 +65,7 @@ def layer_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:
 
 
 def param_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:
-    """Every target parameter, once: shape, dtype, logical axes.
+    """Every target parameter, once: shape, dtype, logical axes (a quantised target's weights: `quantize.spec`).
 
     `layers` is a list with one tree per decoder layer, so each layer's weights are buffers of their own: a
     forward reads them in place (slicing them out of arrays stacked over layers costs a copy per layer and
@@ -79,6 +79,10 @@ def param_specs(cfg: TargetConfig, dtype=jnp.float32) -> dict:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((H, V), ("embed", "vocab"), dtype)
+    if cfg.quantize:
+        from eagle_jax.models import quantize  # qwix loads only for a quantised target (0.3 s)
+
+        specs = quantize.map_weights(quantize.spec, specs)
     return specs
 
 

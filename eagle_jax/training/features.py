@@ -76,8 +76,12 @@ def sha256(path: str | Path) -> str:
 
 
 def config_json(tcfg: TargetConfig) -> dict:
-    """The target config as it is stored in the index (JSON values)."""
-    return json.loads(json.dumps(dataclasses.asdict(tcfg)))
+    """The target config as it is stored in the index (JSON values; `quantize` only when set, so that stores
+    written before it existed still match)."""
+    out = json.loads(json.dumps(dataclasses.asdict(tcfg)))
+    if out["quantize"] is None:
+        del out["quantize"]
+    return out
 
 
 def data_json(paths: Sequence[str | Path], chat_template: str | None) -> list[dict]:
