@@ -29,6 +29,7 @@ the real thing. The verdict compares the peak with each chip's nominal HBM.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -76,10 +77,23 @@ def use_cpu_devices(n: int, argv: Sequence[str]) -> list:
 
 
 def model_configs(
-    config: str, models: str | None = None, draft_vocab: int = 32000
+    config: str, models: str | None = None, draft_vocab: int = 32000, quantize: str | None = None
 ) -> tuple[TargetConfig, DraftConfig, Any, str | None]:
     """(TargetConfig, DraftConfig, tree or None, dtype name or None) from a preset, a store, an HF model
-    directory or a GGUF file; a target without its own head gets an EAGLE-3 head shaped like one of its layers."""
+    directory or a GGUF file; a target without its own head gets an EAGLE-3 head shaped like one of its layers.
+    `quantize` ("int8") plans the target's weights quantised (`models.quantize`)."""
+    tcfg, dcfg, tree, dtype = _model_configs(config, models, draft_vocab)
+    if quantize:
+        from eagle_jax.models import quantize as quantizing  # qwix loads only for a quantised target
+
+        quantizing.check(tcfg, quantize)
+        tcfg = dataclasses.replace(tcfg, quantize=quantize)
+    return tcfg, dcfg, tree, dtype
+
+
+def _model_configs(
+    config: str, models: str | None, draft_vocab: int
+) -> tuple[TargetConfig, DraftConfig, Any, str | None]:
     path = Path(config)
     if path.is_dir() or loading.is_gguf(path):
         tcfg = loading.target_config(path)
@@ -147,6 +161,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="training: the step from stored features (train.features): only the target's readout resident",
     )
     p.add_argument("--bf16", action="store_true", help="training: bf16 target and compute (as train.eagle3 --bf16)")
+    p.add_argument("--quantize", help="inference: the target's weights quantised, int8 (as infer.generate --quantize)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="head vocabulary for a bare model directory")
     p.add_argument(
         "--models", default=None, help="models root of the presets (default $EAGLE_JAX_MODELS, else ./models)"
@@ -172,7 +187,9 @@ def _main(argv: Sequence[str] | None) -> int:
     tpu = next((t for t in memory.TPUS if t.name == a.tpu), None)
     devices = memory.tpu_devices(tpu) if tpu else use_cpu_devices(_devices(a), argv)
 
-    tcfg, dcfg, tree, preset_dtype = model_configs(a.config, a.models, a.draft_vocab_size)
+    if a.train and a.quantize:
+        raise EagleError("training reads a float target: leave --quantize out of --train", "quantize")
+    tcfg, dcfg, tree, preset_dtype = model_configs(a.config, a.models, a.draft_vocab_size, a.quantize)
     n = len(devices)
     mesh = sharding.make_mesh(a.mesh or (f"fsdp={n}" if a.train else f"tensor={n}"), devices)
     name = Path(a.config).name.removesuffix(".json")

@@ -1,7 +1,7 @@
 """Convert a Hugging Face target and an official EAGLE-1/EAGLE-3 head into one orbax store.
 
     python -m convert.torch_to_orbax --target HF_DIR [--draft EAGLE_DIR] --out DIR
-        [--dtype bf16|fp16|fp32] [--draft-kind eagle1|eagle3] [--overwrite] [--verify]
+        [--dtype bf16|fp16|fp32] [--draft-kind eagle1|eagle3] [--quantize int8] [--overwrite] [--verify]
 
 The store (see `eagle_jax.store`) holds both parameter trees, both raw configs and the tokenizer
 files. A head that does not fit the target is refused before the target's weights are read.
@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 from cli import command
+from eagle_jax.errors import EagleError
 from eagle_jax.io import convert, files, store
 from eagle_jax.models.config import DRAFT_KINDS
 
@@ -29,16 +30,23 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     p.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected from its keys)")
     p.add_argument(
+        "--quantize", help="store the target's weights quantised: int8 (commands then load it with --quantize int8)"
+    )
+    p.add_argument(
         "--overwrite", action="store_true", help="replace an existing --out that holds only a store (never an input)"
     )
     p.add_argument("--verify", action="store_true", help="compare one torch and one JAX forward of each model")
     a = p.parse_args(argv)
+    if a.verify and a.quantize:
+        raise EagleError("--verify compares float weights with torch's: convert without --quantize to verify")
     inputs = [p for p in (a.target, a.draft) if p is not None]
     with command.flag("--out", "choose another --out" + ("" if a.overwrite else " or pass --overwrite")):
         files.check_output_directory(a.out, inputs, a.overwrite, store.STORE_NAMES)
-    out = convert.convert(a.target, a.draft, a.out, command.parse_dtype(a.dtype), a.draft_kind, a.overwrite)
+    dtype = command.parse_dtype(a.dtype)
+    out = convert.convert(a.target, a.draft, a.out, dtype, a.draft_kind, a.overwrite, quantize=a.quantize)
     m = store.read_manifest(out)
-    print(f"wrote {out}: target {m.target_dtype}" + (f", {m.draft_kind} head {m.draft_dtype}" if m.draft_kind else ""))
+    weights = m.target_dtype + (f", {m.target_quantize} weights" if m.target_quantize else "")
+    print(f"wrote {out}: target {weights}" + (f", {m.draft_kind} head {m.draft_dtype}" if m.draft_kind else ""))
     if a.verify:
         diffs = convert.verify(out, a.target, a.draft)
         print("verify: max |torch - jax| " + ", ".join(f"{k} {v:.2e}" for k, v in diffs.items()))

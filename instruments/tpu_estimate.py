@@ -128,6 +128,7 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=1024, help="cache slots every program attends over")
     p.add_argument("--cpu", action="store_true", help="compile with XLA:CPU even when libtpu is installed")
+    p.add_argument("--quantize", help="the targets' weights quantised: int8 (as infer.generate --quantize)")
     p.add_argument("--json", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     setups = [parse_setup(s) for s in a.setup or DEFAULT_SETUPS]
@@ -147,12 +148,13 @@ def _main(argv: Sequence[str] | None) -> int:
         "batch": a.batch,
         "context": a.context,
         "dtype": "bfloat16",
+        "quantize": a.quantize,
         "taus": list(TAUS),
         "setups": [],
     }
     bar = tqdm(total=len(setups) * (len(trees) + 1), desc="compile", unit="program", file=sys.stderr)
     for config, slice_ in setups:
-        tcfg, dcfg, _, _ = plan.model_configs(config)
+        tcfg, dcfg, _, _ = plan.model_configs(config, quantize=a.quantize)
         devices, compiler = devices_for(slice_, use_tpu)
         mesh = sharding.make_mesh(f"tensor={len(devices)}" if len(devices) > 1 else None, devices)
         chip = cost.CHIPS[SLICES[slice_][0]]
@@ -181,7 +183,8 @@ def _main(argv: Sequence[str] | None) -> int:
             entry["refused"] = str(exc).splitlines()[0]
             bar.update(len(trees) + 1 - done)
     bar.close()
-    print(f"ESTIMATE (no TPU was used): batch {a.batch}, {a.context} cache slots, bf16; roofline per chip")
+    weights = "bf16" + (f", {a.quantize} target weights" if a.quantize else "")
+    print(f"ESTIMATE (no TPU was used): batch {a.batch}, {a.context} cache slots, {weights}; roofline per chip")
     for s in report["setups"]:
         print(f"  {s['config']} @ {s['slice']}: compiled by {s['compiler']}, mesh {s['mesh']}")
         if s.get("refused"):

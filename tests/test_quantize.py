@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +16,7 @@ import qwix
 from procs import finish, launch
 from tiny import plain_generate, tiny_draft, tiny_target
 
+from cli import plan
 from eagle_jax.decoding import programs, speculative
 from eagle_jax.decoding.tree import DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
@@ -104,3 +106,36 @@ def test_the_command_names_the_flag(golden_dir):
     assert (
         code == 2 and err.strip().splitlines()[-1] == "error: --quantize: 'int4' is not a method here; choose from int8"
     )
+
+
+def test_the_plan_command_plans_int8_weights(capsys, golden_dir):
+    """infer.plan --quantize int8 on the golden target: its layers' weights planned as int8 (the tied embedding
+    stays float32); a training plan with a quantised target is refused."""
+    args = ["--config", str(golden_dir / "target"), "--mesh", "tensor=4,data=2", "--batch", "2", "--max-len", "128"]
+    args += ["--dtype", "fp32", "--draft-vocab-size", "512"]
+    resident = {}
+    for extra in ([], ["--quantize", "int8"]):
+        assert plan.main(args + extra) == 0
+        resident[bool(extra)] = float(re.search(r"target parameters +([0-9.]+) MiB", capsys.readouterr().out)[1])
+    assert 0.2 < resident[True] / resident[False] < 0.8, resident
+    assert plan.main(args + ["--train", "--quantize", "int8"]) == 2
+    assert (
+        capsys.readouterr().err.strip()
+        == "error: --quantize: training reads a float target: leave --quantize out of --train"
+    )
+
+
+def test_a_quantised_store_loads_as_quantised_at_load_time(tmp_path, golden_dir):
+    """convert --quantize int8 stores the int8 weights once; loading them needs the flag, and gives what
+    quantising at load time gives."""
+    from eagle_jax.io import convert, loading, store
+
+    out = convert.convert(golden_dir / "target", None, tmp_path / "store", progress=False, quantize="int8")
+    assert store.read_manifest(out).target_quantize == "int8"
+    cfg, params = loading.load_target(out, quantize="int8")
+    want_cfg, want = loading.load_target(golden_dir / "target", quantize="int8")
+    assert cfg == want_cfg and jax.tree.structure(params) == jax.tree.structure(want)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want)))
+    with pytest.raises(EagleError, match="the target is stored quantised; pass --quantize int8") as err:
+        loading.load_target(out)
+    assert err.value.setting == "quantize"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -28,22 +29,29 @@ def convert(
     kind: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
+    quantize: str | None = None,
 ) -> Path:
-    """Read, check and store; the head is checked against the target before the target is read."""
+    """Read, check and store (the target quantised by `quantize`, e.g. "int8", so that no start quantises it
+    again); the head is checked against the target before the target is read."""
     target_dir = Path(target_dir)
     files.check_output_directory(
         out, [p for p in (target_dir, draft_dir) if p is not None], overwrite, store.STORE_NAMES
     )
     tcfg = hf.load_target_config(target_dir)
+    if quantize:
+        from eagle_jax.models import quantize as quantizing  # qwix loads only for a quantised target
+
+        quantizing.check(tcfg, quantize)
     draft_part = None
     if draft_dir is not None:
         dcfg, dparams = official.load_head(draft_dir, tcfg, kind, dtype)
         draft_part = store.DraftPart(files.read_json(Path(draft_dir) / "config.json"), dcfg.kind, dparams)
     _, tparams = hf.load_target(target_dir, dtype, progress=progress)
+    if quantize:
+        tparams = jax.device_get(quantizing.quantize_target(tcfg, tparams, quantize)[1])
     gen_path = target_dir / "generation_config.json"
-    target_part = store.TargetPart(
-        files.read_json(target_dir / "config.json"), tparams, files.read_json(gen_path) if gen_path.is_file() else None
-    )
+    generation = files.read_json(gen_path) if gen_path.is_file() else None
+    target_part = store.TargetPart(files.read_json(target_dir / "config.json"), tparams, generation, quantize)
     return store.save(out, target_part, draft_part, tokenizer_from=target_dir, overwrite=overwrite, progress=progress)
 
 

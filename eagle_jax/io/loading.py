@@ -11,6 +11,7 @@ axes (`parallel.sharding`), a store restoring each device's shards directly.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -40,23 +41,26 @@ def target_config(path: str | Path) -> TargetConfig:
         m = store.read_manifest(path)
         if m.target_config is None:
             raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
-        return target_config_from_hf(m.target_config, m.generation_config)
+        return dataclasses.replace(
+            target_config_from_hf(m.target_config, m.generation_config), quantize=m.target_quantize
+        )
     return hf.load_target_config(path)
 
 
 def load_target(
     path: str | Path, dtype: Any = None, mesh: Mesh | None = None, progress: bool = False, quantize: str | None = None
 ) -> tuple[TargetConfig, PyTree]:
-    """(config, parameters) of a target; dtype None keeps the stored one; `quantize` ("int8") quantises its
-    weights after loading them (`models.quantize`)."""
-    if mesh is not None or quantize:
-        cfg = target_config(path)
-        if mesh is not None:
-            sharding.check_mesh(mesh, cfg)
-        if quantize:
-            from eagle_jax.models import quantize as quantizing  # qwix loads only for a quantised target (0.3 s)
+    """(config, parameters) of a target; dtype None keeps the stored one. `quantize` ("int8") quantises its weights
+    after loading them (`models.quantize`), or names how a store holds them quantised (which it must)."""
+    stored = target_config(path)
+    if mesh is not None:
+        sharding.check_mesh(mesh, stored)
+    if stored.quantize and quantize != stored.quantize:
+        raise EagleError(f"{path}: the target is stored quantised; pass --quantize {stored.quantize}", "quantize")
+    if quantize and not stored.quantize:
+        from eagle_jax.models import quantize as quantizing  # qwix loads only for a quantised target (0.3 s)
 
-            quantizing.check(cfg, quantize)
+        quantizing.check(stored, quantize)
     if store.is_store(path):
         cfg, params = store.load_target_store(path, dtype, mesh)
     elif is_gguf(path):
@@ -67,7 +71,7 @@ def load_target(
         params = hf.target_params_from_tensors(model.tensors, cfg, str(path), dtype)
     else:
         cfg, params = hf.load_target(path, dtype, progress)
-    if quantize:
+    if quantize and not stored.quantize:
         cfg, params = quantizing.quantize_target(cfg, params, quantize)
     return cfg, params if mesh is None else sharding.place(params, sharding.target_shardings(cfg, mesh))
 

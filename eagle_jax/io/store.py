@@ -64,6 +64,7 @@ class TargetPart:
     config: dict
     params: PyTree
     generation_config: dict | None = None
+    quantize: str | None = None  # the method `params` were quantised by (`models.quantize`), if any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Manifest:
     target_dtype: str | None
     draft_dtype: str | None
     format: str = FORMAT
+    target_quantize: str | None = None  # "int8": the target's weights are stored quantised (`models.quantize`)
 
 
 def is_store(path: str | Path) -> bool:
@@ -167,7 +169,9 @@ def save(
     out = Path(out).absolute()
     parts: dict[str, PyTree] = {}
     if target is not None:
-        tcfg = target_config_from_hf(target.config, target.generation_config)
+        tcfg = dataclasses.replace(
+            target_config_from_hf(target.config, target.generation_config), quantize=target.quantize
+        )
         check_against_specs(target.params, target_model.param_specs(tcfg), "target")
         parts["target"] = target.params
     if draft is not None:
@@ -185,6 +189,7 @@ def save(
         draft_kind=draft.kind if draft else None,
         target_dtype=_float_dtype(target.params) if target else None,
         draft_dtype=_float_dtype(draft.params) if draft else None,
+        target_quantize=target.quantize if target else None,
     )
     tokenizer_files = [
         Path(tokenizer_from) / f
@@ -271,7 +276,7 @@ def load_target_store(path: str | Path, dtype: Any = None, mesh: Mesh | None = N
     m = read_manifest(path)
     if m.target_config is None:
         raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
-    cfg = target_config_from_hf(m.target_config, m.generation_config)
+    cfg = dataclasses.replace(target_config_from_hf(m.target_config, m.generation_config), quantize=m.target_quantize)
     specs = _in_dtype(target_model.param_specs(cfg), dtype, m.target_dtype)
     return cfg, _restore(path / "target", specs, sharding.target_shardings(cfg, mesh) if mesh is not None else None)
 

@@ -105,7 +105,8 @@ def check_against_specs(params: PyTree, specs: PyTree, what: str) -> None:
 
 
 def _is_leaf(x: Any) -> bool:
-    return is_spec(x) or hasattr(x, "shape")
+    """A spec or an array; a quantised weight (`quantize`: it has a shape too) is a node of its values and scales."""
+    return is_spec(x) or (hasattr(x, "shape") and not hasattr(x, "qvalue"))
 
 
 def flatten(tree: PyTree) -> dict[str, Any]:
