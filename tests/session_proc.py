@@ -1,5 +1,6 @@
 """A chat session on the golden pair in its own process (`python tests/session_proc.py`), with the compilation
-cache of every command (`cli.compile_cache`): prints its answer and which of its programs were traced and compiled."""
+cache of every command (`cli.compile_cache`), then one generation through `jax.jit` (JAX's own cache): prints both
+answers and which of the session's programs were traced and compiled."""
 
 from __future__ import annotations
 
@@ -36,4 +37,5 @@ if __name__ == "__main__":
     talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(5, 4, 1)), 256, (32,))
     talk.warm_up()
     answer = [t for chunk in talk.reply([5, 6, 7, 8, 9], 12) for t in chunk]
-    print(json.dumps({"answer": answer, "programs": len(talk.programs()), **events}))
+    generated = speculative.generate(tparams, dparams, [[5, 6, 7, 8, 9]], 6, talk.cfg).tokens[0]  # jit_run_loop
+    print(json.dumps({"answer": answer, "generated": generated, "programs": len(talk.programs()), **events}))

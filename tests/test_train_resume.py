@@ -106,7 +106,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(golden_dir,
         tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0)
     )
     env = cli_env(tmp_path)
-    args = ["--target", target, "--data", train, "--steps", 60, *TINY, "--save-every", 1000, "--log-every", 1]
+    args = ["--target", target, "--data", train, "--steps", 30, *TINY, "--save-every", 1000, "--log-every", 1]
     out = tmp_path / "stopped"
     proc = subprocess.Popen(
         [sys.executable, "-c", CTRL_C_LIKE_A_TERMINAL, *map(str, args), "--out", str(out)],
@@ -129,7 +129,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(golden_dir,
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, stderr[-3000:]
     stopped_at = len(read_jsonl(metrics))
-    assert 2 <= stopped_at < 60 and f"stopped at step {stopped_at} of 60;" in stderr, stderr[-3000:]
+    assert 2 <= stopped_at < 30 and f"stopped at step {stopped_at} of 30;" in stderr, stderr[-3000:]
     assert checkpoint_steps(out) == [stopped_at]
     assert (out / "export" / "model.safetensors").is_file() and (out / "head").is_dir()
 

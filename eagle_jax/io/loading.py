@@ -56,7 +56,7 @@ def load_target(
     if mesh is not None:
         sharding.check_mesh(mesh, stored)
     if stored.quantize and quantize != stored.quantize:
-        raise EagleError(f"{path}: the target is stored quantised; pass --quantize {stored.quantize}", "quantize")
+        raise EagleError(f"{path}: the target is stored quantised ({stored.quantize}): load it so", "quantize")
     if quantize and not stored.quantize:
         from eagle_jax.models import quantize as quantizing  # qwix loads only for a quantised target (0.3 s)
 
