@@ -300,5 +300,6 @@ def plan_inference(
         compile_program(f"prefill ({prompt_len}-token prompts)", mesh, progs.prefill, tparams, dparams, *inputs),
         compile_program("generation loop (cycles)", mesh, progs.run, tparams, dparams, state),
     )
-    title = f"inference: batch {batch}, max-len {max_len}, {jnp.dtype(dtype).name}, tree {tree}, mesh {mesh_text(mesh)}"
+    weights = jnp.dtype(dtype).name + (f" ({tcfg.quantize} target weights)" if tcfg.quantize else "")
+    title = f"inference: batch {batch}, max-len {max_len}, {weights}, tree {tree}, mesh {mesh_text(mesh)}"
     return MemoryPlan(title, mesh.size, compiler_name(mesh), resident, compiled)
