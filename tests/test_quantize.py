@@ -60,6 +60,19 @@ def test_speculation_is_lossless_against_the_int8_target(family, kind, envelope,
     assert 0 < gap < 0.2 * float(jnp.abs(logits[0]).max())  # quantised, and near the float target (tiny, random)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_every_float_dtype_quantises_alike(dtype):
+    """The same int8 values from a weight in any floating dtype, a scale in that dtype, dequantised within a step
+    of the weight (half a step, and the rounding of scale and product in bf16)."""
+    w = jax.random.normal(jax.random.key(0), (64, 48), jnp.float32) * 0.05
+    q = quantize.weight(w.astype(dtype))
+    want = quantize.weight(w)
+    assert q.scale.dtype == dtype and np.mean(np.asarray(q.qvalue) == np.asarray(want.qvalue)) > 0.9
+    step = np.asarray(want.scale, np.float32)
+    error = np.abs(np.asarray(qwix.dequantize(q), np.float32) - np.asarray(w.astype(dtype), np.float32))
+    assert (error <= step).all(), float((error / step).max())
+
+
 def test_int8_on_a_mesh_equals_one_device():
     tcfg, tparams = tiny_target("llama", 0, vocab=64, hidden=64, heads=8, kv_heads=4)
     qcfg, qparams = quantize.quantize_target(tcfg, tparams, "int8")

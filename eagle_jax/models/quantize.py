@@ -55,8 +55,9 @@ def spec(s: ParamSpec) -> qwix.QArray:
 
 @jax.jit
 def weight(w: jax.Array) -> qwix.QArray:
-    """w [in, out] as int8 with one absmax scale per output column, in w's dtype."""
-    return qwix.quantize(w, jnp.int8, channelwise_axes=(1,), scale_dtype=w.dtype)
+    """w [in, out] as int8 with one absmax scale per output column, in w's dtype (computed in float32: qwix
+    quantises float16 input to zeros with unit scales)."""
+    return qwix.quantize(w.astype(jnp.float32), jnp.int8, channelwise_axes=(1,), scale_dtype=w.dtype)
 
 
 def quantize_target(cfg: TargetConfig, params: dict, method: str) -> tuple[TargetConfig, dict]:
