@@ -70,10 +70,8 @@ def _main(argv: Sequence[str] | None) -> int:
         for name, q in (("float32", None), (METHOD, METHOD))
     }
     questions = {s: read_questions(Path(a.questions) / f"{s}.jsonl", a.per_set) for s in SETS}
-    prompts = {
-        s: [runners["float32"].prompt([{"role": "user", "content": q["turns"][0]}]) for q in qs]
-        for s, qs in questions.items()
-    }
+    first_turn = lambda q: runners["float32"].prompt([{"role": "user", "content": q["turns"][0]}])  # noqa: E731
+    prompts = {s: [first_turn(q) for q in qs] for s, qs in questions.items()}
     report: dict = {"target": command.shown_path(a.target), "draft": command.shown_path(a.draft), "tree": a.tree}
 
     answers = {name: {} for name in runners}
@@ -88,10 +86,7 @@ def _main(argv: Sequence[str] | None) -> int:
     texts = [t for qs in questions.values() for q in qs for t in q["turns"]]
     report["perplexity"] = {name: perplexity(r, texts) for name, r in runners.items()}
 
-    speed = [
-        runners["float32"].prompt([{"role": "user", "content": q["turns"][0]}])
-        for q in read_questions(Path(a.questions) / "mt_bench.jsonl", a.speed)
-    ]
+    speed = [first_turn(q) for q in read_questions(Path(a.questions) / "mt_bench.jsonl", a.speed)]
     for r in runners.values():
         r.set_tree(tree)
         for prompt in speed:
