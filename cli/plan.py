@@ -29,7 +29,6 @@ the real thing. The verdict compares the peak with each chip's nominal HBM.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
@@ -86,8 +85,7 @@ def model_configs(
     if quantize:
         from eagle_jax.models import quantize as quantizing  # qwix loads only for a quantised target
 
-        quantizing.check(tcfg, quantize)
-        tcfg = dataclasses.replace(tcfg, quantize=quantize)
+        tcfg = quantizing.quantized_config(tcfg, quantize)
     return tcfg, dcfg, tree, dtype
 
 

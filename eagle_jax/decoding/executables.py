@@ -17,6 +17,7 @@ folder holds executable code: keep it private to its user.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -115,7 +116,8 @@ def load(name: str) -> jax.stages.Compiled | None:
     except Exception as exc:  # noqa: BLE001 (a damaged or foreign entry, whatever the error: compile again)
         log.warning("stored program %s unreadable (%s): compiling it again", path.name, exc)
         return None
-    os.utime(path)  # recently used
+    with contextlib.suppress(FileNotFoundError):  # evicted by another process meanwhile
+        os.utime(path)  # recently used
     return compiled
 
 
@@ -141,9 +143,10 @@ def _evict(base: Path) -> None:
     entries = []
     for path in base.glob("*.bin"):
         try:
-            entries.append((path.stat().st_mtime, path.stat().st_size, path))
+            stat = path.stat()
         except FileNotFoundError:  # evicted by another process meanwhile
             continue
+        entries.append((stat.st_mtime, stat.st_size, path))
     total = sum(size for _, size, _ in entries)
     for _, size, path in sorted(entries):
         if total <= MAX_BYTES:

@@ -11,7 +11,6 @@ axes (`parallel.sharding`), a store restoring each device's shards directly.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +37,7 @@ def target_config(path: str | Path) -> TargetConfig:
 
         return target_config_from_hf(*gguf.read_gguf_config(path))
     if store.is_store(path):
-        m = store.read_manifest(path)
-        if m.target_config is None:
-            raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
-        return dataclasses.replace(
-            target_config_from_hf(m.target_config, m.generation_config), quantize=m.target_quantize
-        )
+        return store.target_config(path)
     return hf.load_target_config(path)
 
 

@@ -270,14 +270,19 @@ def _in_dtype(specs: PyTree, requested: Any, stored: str | None) -> PyTree:
     return specs if dtype is None else with_dtype(specs, dtype)
 
 
-def load_target_store(path: str | Path, dtype: Any = None, mesh: Mesh | None = None) -> tuple[TargetConfig, PyTree]:
-    """(config, params) of a store's target; dtype None keeps the stored one."""
-    path = Path(path)
+def target_config(path: str | Path) -> TargetConfig:
+    """The config of a store's target, quantised as it is stored."""
     m = read_manifest(path)
     if m.target_config is None:
         raise EagleError(f"{path}: this store holds no target (it holds only a draft head)")
-    cfg = dataclasses.replace(target_config_from_hf(m.target_config, m.generation_config), quantize=m.target_quantize)
-    specs = _in_dtype(target_model.param_specs(cfg), dtype, m.target_dtype)
+    return dataclasses.replace(target_config_from_hf(m.target_config, m.generation_config), quantize=m.target_quantize)
+
+
+def load_target_store(path: str | Path, dtype: Any = None, mesh: Mesh | None = None) -> tuple[TargetConfig, PyTree]:
+    """(config, params) of a store's target; dtype None keeps the stored one."""
+    path = Path(path)
+    cfg = target_config(path)
+    specs = _in_dtype(target_model.param_specs(cfg), dtype, read_manifest(path).target_dtype)
     return cfg, _restore(path / "target", specs, sharding.target_shardings(cfg, mesh) if mesh is not None else None)
 
 

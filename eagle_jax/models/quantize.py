@@ -60,7 +60,12 @@ def weight(w: jax.Array) -> qwix.QArray:
     return qwix.quantize(w.astype(jnp.float32), jnp.int8, channelwise_axes=(1,), scale_dtype=w.dtype)
 
 
+def quantized_config(cfg: TargetConfig, method: str) -> TargetConfig:
+    """A float target's config with its weights quantised by `method` (checked)."""
+    check(cfg, method)
+    return dataclasses.replace(cfg, quantize=method)
+
+
 def quantize_target(cfg: TargetConfig, params: dict, method: str) -> tuple[TargetConfig, dict]:
     """A float target's (config, parameters) quantised by `method` (weight by weight, on their devices)."""
-    check(cfg, method)
-    return dataclasses.replace(cfg, quantize=method), map_weights(weight, params)
+    return quantized_config(cfg, method), map_weights(weight, params)
