@@ -134,7 +134,8 @@ def load_head(
 
 
 def official_config(dcfg: DraftConfig, tcfg: TargetConfig) -> dict:
-    """An EAGLE-3 head's config.json in the format of upstream `eagle/traineagle3/config.json`."""
+    """A head's config.json in upstream's format: EAGLE-3 as `eagle/traineagle3/config.json`, EAGLE-1 as the v1
+    branch's `eagle/train/*_config.json` plus its fc's `bias` and the rope settings `eagle/model/cnets1.py` reads."""
     rope = dcfg.rope
     rope_scaling = None
     if rope.rope_type != "default":
@@ -147,7 +148,7 @@ def official_config(dcfg: DraftConfig, tcfg: TargetConfig) -> dict:
             )
     eos = list(tcfg.eos_token_ids)
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": ["LlamaForCausalLMEagle3" if dcfg.kind == "eagle3" else "LlamaForCausalLM"],
         "model_type": "llama",
         "bos_token_id": tcfg.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
@@ -160,7 +161,7 @@ def official_config(dcfg: DraftConfig, tcfg: TargetConfig) -> dict:
         "max_position_embeddings": rope.max_position_embeddings,
         "num_attention_heads": dcfg.num_heads,
         "num_key_value_heads": dcfg.num_kv_heads,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": dcfg.num_layers,
         "pretraining_tp": 1,
         "rms_norm_eps": dcfg.rms_norm_eps,
         "rope_scaling": rope_scaling,
@@ -169,8 +170,10 @@ def official_config(dcfg: DraftConfig, tcfg: TargetConfig) -> dict:
         "torch_dtype": "float32",
         "use_cache": True,
         "vocab_size": dcfg.vocab_size,
-        "draft_vocab_size": dcfg.draft_vocab_size,
     }
+    if dcfg.kind == "eagle1":
+        return {**cfg, "bias": dcfg.fc_bias}
+    cfg["draft_vocab_size"] = dcfg.draft_vocab_size
     if dcfg.target_hidden_size != dcfg.hidden_size:
         cfg["target_hidden_size"] = dcfg.target_hidden_size
     return cfg

@@ -292,6 +292,12 @@ def eagle3_head_like(target: TargetConfig, draft_vocab_size: int) -> DraftConfig
     )
 
 
+def eagle1_head_like(target: TargetConfig) -> DraftConfig:
+    """A one-layer EAGLE-1 head shaped like a target layer, its fc with a bias (the v1 code's default); it reads
+    the target's full vocabulary through the target's lm_head."""
+    return dataclasses.replace(eagle3_head_like(target, target.vocab_size), kind="eagle1", fc_bias=True)
+
+
 def check_draft_fits(draft: DraftConfig, target: TargetConfig, where: str) -> None:
     """Refuse a head whose widths, vocabulary or feature layers do not match the target."""
     problems = []

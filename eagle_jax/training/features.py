@@ -48,7 +48,8 @@ from eagle_jax.training import data, objective
 
 FORMAT = 1
 DTYPES = {"bf16": ml_dtypes.bfloat16, "fp32": np.float32}
-ARRAYS = ("offsets", "input_ids", "loss_mask", "features", "hidden", "argmax")
+STORED = ("features", "hidden", "argmax")  # the target's side of a conversation, in a batch's order
+ARRAYS = ("offsets", "input_ids", "loss_mask", *STORED)
 INDEX = "index.json"
 READOUT = "readout.npz"
 # settings that define what a store holds: a rerun must repeat them, a training run must match them
@@ -288,9 +289,9 @@ def extract(fc: FeaturesConfig, mesh: Mesh | None = None) -> dict:
 class StoredBatch(data.Batch):
     """A right-padded training batch (`data.Batch`) with the target's stored side."""
 
-    features: np.ndarray  # [B, T, 3Ht] stored dtype; zero past each conversation's padding row
-    hidden: np.ndarray  # [B, T, Ht] stored dtype
-    argmax: np.ndarray  # [B, T] int32
+    features: np.ndarray | None = None  # [B, T, 3Ht] stored dtype; zero past each conversation's padding row
+    hidden: np.ndarray | None = None  # [B, T, Ht] stored dtype
+    argmax: np.ndarray | None = None  # [B, T] int32
 
 
 class FeatureStore:
@@ -368,17 +369,19 @@ class FeatureStore:
             for i in range(len(self))
         ]
 
-    def batch(self, rows: Sequence[int], length: int) -> StoredBatch:
-        """Conversations `rows` right-padded to `length` (with the store's pad id), their stored rows in place."""
+    def batch(self, rows: Sequence[int], length: int, names: Sequence[str] = STORED) -> StoredBatch:
+        """Conversations `rows` right-padded to `length` (with the store's pad id), their stored rows `names`
+        (of `STORED`; an EAGLE-1 head reads only "hidden") in place."""
         tokens = data.collate(
             [data.Example(self._rows(i, "input_ids")[:-1], self._rows(i, "loss_mask")[:-1]) for i in rows],
             length,
             self.pad_id,
         )
-        width = {n: self._shards[0][n].shape[1] for n in ("features", "hidden")}
+        width = {n: self._shards[0][n].shape[1] for n in ("features", "hidden") if n in names}
         dtype = DTYPES[self.dtype]
         out = {n: np.zeros((len(rows), length, width[n]), dtype) for n in width}
-        out["argmax"] = np.zeros((len(rows), length), np.int32)
+        if "argmax" in names:
+            out["argmax"] = np.zeros((len(rows), length), np.int32)
         for r, i in enumerate(rows):
             for n in out:
                 part = np.asarray(self._rows(i, n)[:length])

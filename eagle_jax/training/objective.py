@@ -49,9 +49,11 @@ def target_outputs(
     input_ids: jax.Array,
     attention_mask: jax.Array,
     feature_layers: tuple[int, ...],
+    compute_logits: bool = True,
 ) -> target.TargetOutput:
     """Frozen target on a right-padded batch [B, T]: its output (features [B, T, 3Ht] of the head's
-    `feature_layers`, logits [B, T, V] f32, final normed hidden states [B, T, Ht]), without gradients.
+    `feature_layers`, logits [B, T, V] f32 unless not `compute_logits`, final normed hidden states [B, T, Ht]),
+    without gradients.
 
     Mask: causal plus key padding (a padded query sees the real prefix, not itself); positions 0..T-1.
     """
@@ -59,7 +61,16 @@ def target_outputs(
     mask = padded_causal(attention_mask)  # [B, T, T]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     cache = target.init_cache(tcfg, b, t, target_params["embed"].dtype)
-    out = target.forward(target_params, tcfg, input_ids, positions, cache, mask, feature_layers=feature_layers)
+    out = target.forward(
+        target_params,
+        tcfg,
+        input_ids,
+        positions,
+        cache,
+        mask,
+        feature_layers=feature_layers,
+        compute_logits=compute_logits,
+    )
     return jax.lax.stop_gradient(out)
 
 
@@ -352,7 +363,8 @@ def eagle1_loss(
     frozen target's. With m = loss_mask and n = sum(m) + 1e-5:
     ploss = -sum(m * softmax(lm_head(target)) * log_softmax(lm_head(predict))) / n,
     vloss = sum over positions of m * mean over H of SmoothL1(predict - target) / n; metrics also hold the
-    top-1/2/3 accuracies of lm_head(predict) against argmax lm_head(target) over the masked positions.
+    top-1/2/3 accuracies of lm_head(predict) against argmax lm_head(target) over the masked positions, their
+    counts `n_correct` [3] and `loss_mask_sum`.
     """
     b, t = input_ids.shape
     mask = padded_causal(attention_mask)  # [B, T, T]
@@ -369,10 +381,47 @@ def eagle1_loss(
     wanted = argmax(target_logits)  # [B, T]
     top3 = jax.lax.top_k(out_logits, 3)[1]  # [B, T, 3]
     hits = jnp.cumsum(top3 == wanted[..., None], axis=-1) > 0  # [B, T, 3]: within the top 1, 2, 3
-    counted = jnp.maximum(jnp.sum(m), 1.0)
-    acc = [jnp.sum(m[..., 0] * hits[..., k]) / counted for k in range(3)]
+    n_correct = jnp.sum(m * hits, axis=(0, 1))  # [3]
+    acc = n_correct / jnp.maximum(jnp.sum(m), 1.0)
     metrics = {"vloss": vloss, "ploss": ploss, "top1": acc[0], "top2": acc[1], "top3": acc[2]}
-    return v_w * vloss + p_w * ploss, metrics
+    return v_w * vloss + p_w * ploss, {**metrics, "n_correct": n_correct, "loss_mask_sum": jnp.sum(m)}
+
+
+def eagle1_batch(
+    hidden: jax.Array, input_ids: jax.Array, attention_mask: jax.Array, loss_mask: jax.Array
+) -> tuple[jax.Array, ...]:
+    """A right-padded batch in the v1 pipeline's layout, for `eagle1_loss`: (hidden_states, input_ids, target,
+    attention_mask, loss_mask). From the target's final normed hidden states [B, T, H] and the conversations'
+    tokens and masks [B, T] (`data.collate`), as v1's dataset and collator build them: the ids and the target
+    (the next position's hidden state) shifted one step left and zero-padded, the loss mask zero at each
+    sequence's last token."""
+    b, t = input_ids.shape
+    length = jnp.sum(attention_mask, axis=1, keepdims=True)  # [B, 1]
+    inside = jnp.arange(t)[None, :] < length - 1  # [B, T]: positions with a next token in the sequence
+    ids = jnp.where(inside, jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1))), 0)
+    target = jnp.where(inside[..., None], jnp.pad(hidden[:, 1:], ((0, 0), (0, 1), (0, 0))), 0)
+    return hidden, ids, target, attention_mask, jnp.where(inside, loss_mask, 0)
+
+
+def uniform_noise(key: jax.Array, hidden: jax.Array, attention_mask: jax.Array, std: float = 0.2) -> jax.Array:
+    """v1's data augmentation (`AddUniformNoise`, std 0.2) of the head's input features [B, T, H]:
+    (U[0, 1) - 0.5) * std * 512 / L, L each sequence's length (v1 divides by `shape[1]` of a [1, L, H] tensor)."""
+    length = jnp.maximum(jnp.sum(attention_mask, axis=1), 1).astype(jnp.float32)[:, None, None]  # [B, 1, 1]
+    u = jax.random.uniform(key, hidden.shape, jnp.float32)
+    return (hidden.astype(jnp.float32) + (u - 0.5) * std * 512 / length).astype(hidden.dtype)
+
+
+def eagle1_flops(dcfg: DraftConfig, lengths: np.ndarray) -> float:
+    """Model FLOPs of an EAGLE-1 training step on sequences of these real lengths [B]: the head's forward and
+    backward (3x the forward's multiply-adds: fc, its layers, causal attention, the readout of its prediction)
+    plus the forward-only readout of the target feature. Padding and masked work are not counted."""
+    specs = draft.param_specs(dcfg)
+    weights = sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec) if len(s.shape) == 2)
+    lengths = np.asarray(lengths, np.float64)
+    tokens, pairs = lengths.sum(), (lengths * (lengths + 1) / 2).sum()
+    readout = tokens * dcfg.hidden_size * dcfg.vocab_size
+    attention = 2 * dcfg.num_layers * dcfg.num_heads * dcfg.head_dim * pairs
+    return 2 * float(3 * (tokens * weights + attention + readout) + readout)
 
 
 def build_vocab_map(

@@ -1,7 +1,10 @@
-"""One jitted EAGLE-3 training step on a mesh: frozen target forward, TTT loss, AdamW update.
+"""One jitted training step on a mesh: frozen target forward (or its stored outputs), the head's loss, AdamW update.
 
-The optimiser is upstream's (clip 0.5, AdamW betas (0.9, 0.95), weight decay 0, linear warm-up then
-cosine); the draft's float parameters are float32 master weights, optionally computed in bf16; the
+EAGLE-3: the TTT loss with upstream's optimiser (clip 0.5 by global norm, AdamW betas (0.9, 0.95), weight decay
+0, linear warm-up then cosine). EAGLE-1: the v1 branch's feature regression (`objective.eagle1_loss`) with its
+optimiser (each gradient clipped to +-0.5, AdamW betas (0.9, 0.95) with torch's default weight decay 0.01,
+linear warm-up from 0 then linear decay, as `get_linear_schedule_with_warmup`) and its uniform noise on the
+input features. The draft's float parameters are float32 master weights, optionally computed in bf16; the
 target and the vocabulary map are frozen. Every input and state is placed by its logical axes.
 """
 
@@ -27,25 +30,30 @@ from eagle_jax.training import objective
 PyTree = Any
 
 
-def lr_schedule(peak: float, warmup: int, steps: int) -> optax.Schedule:
-    """Linear warmup to `peak` over `warmup` updates (the first update already uses peak/warmup), then cosine
-    to 0 at `steps`."""
+def lr_schedule(peak: float, warmup: int, steps: int, kind: str = "eagle3") -> optax.Schedule:
+    """EAGLE-3: linear warmup to `peak` over `warmup` updates (the first update already uses peak/warmup), then
+    cosine to 0 at `steps`. EAGLE-1: linear warmup from 0 (the first update uses lr 0), then linear to 0 at
+    `steps`."""
 
     def schedule(count: jax.Array) -> jax.Array:
         count = jnp.asarray(count, jnp.float32)
-        warm = peak * (count + 1) / max(warmup, 1)
         progress = jnp.clip((count - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+        if kind == "eagle1":
+            return jnp.where(count < warmup, peak * count / max(warmup, 1), peak * (1 - progress))
+        warm = peak * (count + 1) / max(warmup, 1)
         return jnp.where(count < warmup, warm, 0.5 * peak * (1 + jnp.cos(math.pi * progress)))
 
     return schedule
 
 
-def make_optimizer(lr: float, warmup: int, steps: int, grad_accum: int = 1) -> optax.GradientTransformation:
-    """Upstream recipe: clip 0.5, AdamW betas (0.9, 0.95), wd 0; MultiSteps accumulates grad_accum micro-batches."""
-    inner = optax.chain(
-        optax.clip_by_global_norm(0.5),
-        optax.adamw(lr_schedule(lr, warmup, steps), b1=0.9, b2=0.95, weight_decay=0.0),
-    )
+def make_optimizer(
+    lr: float, warmup: int, steps: int, grad_accum: int = 1, kind: str = "eagle3"
+) -> optax.GradientTransformation:
+    """Upstream's recipe for the head kind: EAGLE-3 clip 0.5 by global norm, AdamW betas (0.9, 0.95), wd 0;
+    EAGLE-1 (v1) clip each gradient to +-0.5, AdamW betas (0.9, 0.95), wd 0.01. MultiSteps accumulates
+    grad_accum micro-batches."""
+    clip, decay = (optax.clip(0.5), 0.01) if kind == "eagle1" else (optax.clip_by_global_norm(0.5), 0.0)
+    inner = optax.chain(clip, optax.adamw(lr_schedule(lr, warmup, steps, kind), b1=0.9, b2=0.95, weight_decay=decay))
     return optax.MultiSteps(inner, every_k_schedule=grad_accum).gradient_transformation()
 
 
@@ -92,6 +100,7 @@ def make_train_step(
     compute_dtype=jnp.float32,
     offline: bool = False,
     unroll: bool = False,
+    noise_seed: int | None = None,
 ) -> Callable:
     """The jitted train step -> (trainable, opt_state, metrics).
 
@@ -101,7 +110,13 @@ def make_train_step(
     target's embed (and lm_head when untied). `unroll` unrolls the TTT steps (for cost analysis). The draft
     computes in `compute_dtype` from fp32 master weights; the loss is fp32. Metrics are sums/values of one
     micro-batch.
+
+    An EAGLE-1 head (`dcfg.kind`) trains on the final hidden states only: offline the stored rows are
+    (hidden,), and both take the micro-batch's index last (int32 []): with `noise_seed` the input features get
+    v1's uniform noise drawn from (noise_seed, index).
     """
+    if dcfg.kind == "eagle1":
+        return _eagle1_step(tcfg, dcfg, optimizer, sh, compute_dtype, offline, noise_seed)
 
     def update(trainable, opt_state, vocab_map, embed, features, targets, input_ids, attention_mask, loss_mask):
         total, m, grads = objective.ttt_value_and_grad(
@@ -117,8 +132,7 @@ def make_train_step(
             compute_dtype=compute_dtype,
             unroll=unroll,
         )
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
+        trainable, opt_state = _apply(optimizer, trainable, opt_state, grads)
         metrics = {
             "loss": total,
             "plosses": m["plosses"],
@@ -146,6 +160,57 @@ def make_train_step(
     return jax.jit(
         stored if offline else online,
         in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + batch + rows,
+        out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
+        donate_argnums=(0, 1),
+    )
+
+
+def _apply(optimizer, trainable, opt_state, grads):
+    updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state
+
+
+def _eagle1_step(
+    tcfg: TargetConfig,
+    dcfg: DraftConfig,
+    optimizer: optax.GradientTransformation,
+    sh: Shardings,
+    compute_dtype,
+    offline: bool,
+    noise_seed: int | None,
+) -> Callable:
+    """`make_train_step` for an EAGLE-1 head: the v1 objective on the target's final normed hidden states."""
+
+    def update(trainable, opt_state, readout, hidden, input_ids, attention_mask, loss_mask, index):
+        readout = jax.tree.map(lambda x: x.astype(compute_dtype), readout)
+        batch = objective.eagle1_batch(hidden.astype(compute_dtype), input_ids, attention_mask, loss_mask)
+        if noise_seed is not None:
+            key = jax.random.fold_in(jax.random.key(noise_seed), index)
+            batch = (objective.uniform_noise(key, batch[0], attention_mask), *batch[1:])
+        head = target.output_head(readout, tcfg)
+
+        def loss(tr: dict):
+            tr = jax.tree.map(lambda x: x.astype(compute_dtype), tr)
+            return objective.eagle1_loss(tr, dcfg, head, readout["embed"], *batch)
+
+        (total, m), grads = jax.value_and_grad(loss, has_aux=True)(trainable)
+        trainable, opt_state = _apply(optimizer, trainable, opt_state, grads)
+        metrics = {k: m[k] for k in ("vloss", "ploss", "n_correct", "loss_mask_sum")}
+        return trainable, opt_state, {"loss": total, **metrics, "grad_norm": optax.tree.norm(grads)}
+
+    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask, index):
+        out = objective.target_outputs(tparams, tcfg, input_ids, attention_mask, (), compute_logits=False)
+        readout = {k: tparams[k] for k in ("embed", "lm_head") if k in tparams}
+        return update(trainable, opt_state, readout, out.hidden, input_ids, attention_mask, loss_mask, index)
+
+    def stored(trainable, opt_state, vocab_map, readout, input_ids, attention_mask, loss_mask, hidden, index):
+        return update(trainable, opt_state, readout, hidden, input_ids, attention_mask, loss_mask, index)
+
+    weights = {k: sh.target[k] for k in ("embed", "lm_head") if k in sh.target} if offline else sh.target
+    rows = (sh.features,) if offline else ()
+    return jax.jit(
+        stored if offline else online,
+        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + (sh.batch,) * 3 + rows + (sh.replicated,),
         out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
         donate_argnums=(0, 1),
     )

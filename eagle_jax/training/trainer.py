@@ -1,5 +1,5 @@
-"""An EAGLE-3 training run: data (or stored target features), vocabulary map, sharded train steps, checkpoints,
-logs and export.
+"""A draft-head training run (EAGLE-3 with training-time test, or EAGLE-1's feature regression): data (or stored
+target features), vocabulary map, sharded train steps, checkpoints, logs and export.
 
 `train(RunConfig(...))` runs or resumes a run in its output folder, which holds run.json (the
 settings), vocab_map.npz (d2t, t2d, loss-masked token counts), ckpt/ (orbax training state),
@@ -35,7 +35,7 @@ from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading, official, store
 from eagle_jax.models import draft
-from eagle_jax.models.config import DraftConfig, TargetConfig, eagle3_head_like
+from eagle_jax.models.config import DraftConfig, TargetConfig, eagle1_head_like, eagle3_head_like
 from eagle_jax.models.params import init_params
 from eagle_jax.parallel import sharding
 from eagle_jax.training import checkpoints, data, features, objective
@@ -58,6 +58,8 @@ RESUME_KEYS = (
     "bf16",
     "chat_template",
     "features",
+    "kind",
+    "noise",
 )
 
 
@@ -89,6 +91,8 @@ class RunConfig:
     tau_max_new_tokens: int = 64
     tau_tree: str | None = None  # TOTAL/DEPTH/TOP_K of the tau measurements (default: upstream's dynamic tree)
     features: str | None = None  # a `train.features` folder for this target and data: train without the target
+    kind: str = "eagle3"  # the head: "eagle3" (TTT) or "eagle1" (v1's feature regression; no ttt_steps, full vocab)
+    noise: bool = True  # EAGLE-1: v1's uniform noise on the input features
 
     @property
     def warmup_steps(self) -> int:
@@ -96,13 +100,12 @@ class RunConfig:
 
 
 def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, ...]:
-    """The step's batch arguments: ids, attention and loss masks [B, T] (and, from a store, its rows)."""
+    """The step's batch arguments: ids, attention and loss masks [B, T] (and, from a store, the rows it holds)."""
     placed = tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
     if isinstance(b, features.StoredBatch):
-        placed += (
-            sharding.put(b.features, sh.features),
-            sharding.put(b.hidden, sh.features),
-            sharding.put(b.argmax, sh.batch),
+        rows = {"features": b.features, "hidden": b.hidden, "argmax": b.argmax}
+        placed += tuple(
+            sharding.put(x, sh.batch if x.ndim == 2 else sh.features) for x in rows.values() if x is not None
         )
     return placed
 
@@ -111,7 +114,7 @@ def export_head(params: dict, dcfg: DraftConfig, tcfg: TargetConfig, out: Path) 
     """The trained head as an orbax store (OUT/head) and in the official format (OUT/export)."""
     config = official.official_config(dcfg, tcfg)
     params = jax.device_get(params)
-    store.save_draft(out / "head", config, params, kind="eagle3")
+    store.save_draft(out / "head", config, params, kind=dcfg.kind)
     return official.save_head(out / "export", config, params, dcfg, overwrite=True)
 
 
@@ -152,7 +155,8 @@ def check_resume(rc: RunConfig, out: Path) -> None:
     except EagleError as exc:
         raise EagleError(f"{exc}; repair it (it holds the run's settings) or use a new run folder", "out") from None
     mine = json.loads(json.dumps(dataclasses.asdict(rc)))
-    diffs = [(k, saved.get(k), mine[k]) for k in RESUME_KEYS if saved.get(k) != mine[k]]
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}  # a setting newer than the run
+    diffs = [(k, saved.get(k, defaults[k]), mine[k]) for k in RESUME_KEYS if saved.get(k, defaults[k]) != mine[k]]
     if diffs:
         raise RunMismatch(out, diffs)
     if isinstance(saved.get("steps"), int) and rc.steps < saved["steps"]:
@@ -209,7 +213,8 @@ def append_jsonl(path: Path, record: dict) -> None:
 
 
 def plot_curves(out: Path) -> Path | None:
-    """OUT/curves.png: loss, per-step accuracies, simulated and measured tau against the step."""
+    """OUT/curves.png: loss, accuracies (EAGLE-3: per TTT step; EAGLE-1: top-1/2/3), simulated (EAGLE-3) and
+    measured tau against the step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -224,19 +229,22 @@ def plot_curves(out: Path) -> Path | None:
         else []
     )
     steps = [r["step"] for r in rows]
+    ttt = "tau_sim" in rows[0]
     fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     axes[0].plot(steps, [r["loss"] for r in rows])
-    axes[0].set(title="TTT loss", xlabel="step", yscale="log")
+    axes[0].set(title="TTT loss" if ttt else "loss (vloss + 0.1 ploss)", xlabel="step", yscale="log")
     acc = np.asarray([r["acc"] for r in rows])
     for j in range(acc.shape[1]):
-        axes[1].plot(steps, acc[:, j], label=f"acc_{j}")
-    axes[1].set(title="accuracy per TTT step", xlabel="step", ylim=(0, 1))
+        axes[1].plot(steps, acc[:, j], label=f"acc_{j}" if ttt else f"top-{j + 1}")
+    axes[1].set(title="accuracy per TTT step" if ttt else "next-token accuracy", xlabel="step", ylim=(0, 1))
     axes[1].legend(fontsize=7)
-    axes[2].plot(steps, [r["tau_sim"] for r in rows], label="simulated tau")
+    if ttt:
+        axes[2].plot(steps, [r["tau_sim"] for r in rows], label="simulated tau")
     if taus:
         axes[2].plot([t["step"] for t in taus], [t["tau"] for t in taus], "o-", label="engine tau")
     axes[2].set(title="tau", xlabel="step")
-    axes[2].legend()
+    if ttt or taus:
+        axes[2].legend()
     seen = [t for t in taus if "tokens_seen" in t]
     axes[3].plot([t["tokens_seen"] / 1e6 for t in seen], [t["tau"] for t in seen], "o-")
     axes[3].set(title="engine tau on held-out prompts", xlabel="training tokens seen (millions)")
@@ -318,12 +326,15 @@ def stop_between_steps() -> Iterator[Callable[[], bool]]:
 
 
 def initial_head(rc: RunConfig, tcfg: TargetConfig) -> tuple[DraftConfig, dict, dict | None]:
-    """The head to start from: --init-head's (fp32 master weights, its vocabulary map), else a fresh EAGLE-3 head
-    shaped like a target layer. -> (config, trainable parameters, the vocabulary map or None)."""
+    """The head to start from: --init-head's (fp32 master weights, its vocabulary map), else a fresh head of the
+    run's kind shaped like a target layer. -> (config, trainable parameters, the vocabulary map or None)."""
     if not rc.init_head:
-        dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
+        if rc.kind == "eagle1":
+            dcfg = eagle1_head_like(tcfg)
+        else:
+            dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
         return dcfg, objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0], None
-    dcfg, head = loading.load_draft(rc.init_head, tcfg, kind="eagle3", dtype=np.float32)
+    dcfg, head = loading.load_draft(rc.init_head, tcfg, kind=rc.kind, dtype=np.float32)
     if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
         raise EagleError(
             f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s ({dcfg.draft_vocab_size})"
@@ -358,19 +369,26 @@ def metrics_record(
     rc: RunConfig, done: int, micro: list[dict], tokens: int, flops: float, elapsed: float, peak: float
 ) -> dict:
     """One metrics.jsonl line from the micro-batches of the step just done; `tokens` and the head's model `flops`
-    are those of the steps since the last line, `elapsed` their time, `peak` the measured matmul rate."""
+    are those of the steps since the last line, `elapsed` their time, `peak` the measured matmul rate. `acc`:
+    EAGLE-3 the accuracy of each TTT step, EAGLE-1 the top-1/2/3 accuracies of the next token."""
     ms = jax.device_get(micro)
     correct = np.sum([m["n_correct"] for m in ms], axis=0)
     denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
     acc = (correct / (denom + 1e-6)).tolist()
+    if rc.kind == "eagle1":
+        kind = {name: float(np.mean([m[name] for m in ms])) for name in ("vloss", "ploss")}
+    else:
+        kind = {
+            "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
+            "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+        }
     return {
         "step": done,
         "loss": float(np.mean([m["loss"] for m in ms])),
-        "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
         "acc": acc,
-        "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+        **kind,
         "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
-        "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps)(done - 1)),
+        "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps, rc.kind)(done - 1)),
         "tokens_per_s": tokens / elapsed,
         "head_flops_per_s": flops / elapsed,
         "of_peak": flops / elapsed / peak,
@@ -379,8 +397,9 @@ def metrics_record(
 
 def postfix(m: dict) -> str:
     acc = "/".join(f"{a:.2f}" for a in m["acc"])
+    kind = f"acc {acc} tau~{m['tau_sim']:.2f}" if "tau_sim" in m else f"top-1/2/3 {acc}"
     return (
-        f"loss {m['loss']:.3f} acc {acc} tau~{m['tau_sim']:.2f} {m['tokens_per_s']:.0f} tok/s "
+        f"loss {m['loss']:.3f} {kind} {m['tokens_per_s']:.0f} tok/s "
         f"{m['head_flops_per_s'] / 1e9:.0f} GFLOP/s ({m['of_peak']:.0%} of peak)"
     )
 
@@ -424,7 +443,7 @@ def train(rc: RunConfig) -> dict:
     maps = vocab_map(rc, out, examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
-    optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum)
+    optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum, rc.kind)
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
     # from a store the step reads only the target's readout; the whole target only measures the real tau
     tparams = (
@@ -442,7 +461,10 @@ def train(rc: RunConfig) -> dict:
 
     with checkpoints.opened(out / "ckpt", rc.keep) as mgr:
         state, start = restore(mgr, state, sh, out)
-        step_fn = make_train_step(tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype, offline=bool(rc.features))
+        noise_seed = rc.seed if rc.kind == "eagle1" and rc.noise else None
+        step_fn = make_train_step(
+            tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype, offline=bool(rc.features), noise_seed=noise_seed
+        )
         plan = data.BatchPlan(
             [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
         )
@@ -450,7 +472,7 @@ def train(rc: RunConfig) -> dict:
 
         def batch_of(rows: np.ndarray, length: int) -> data.Batch:
             if rc.features:
-                return store.batch(rows, length)
+                return store.batch(rows, length, ("hidden",) if rc.kind == "eagle1" else features.STORED)
             return data.collate([examples[i] for i in rows], length, pad_id)
 
         tree = parse_envelopes(rc.tau_tree)[0] if rc.tau_tree else DynamicTree()
@@ -473,13 +495,19 @@ def train(rc: RunConfig) -> dict:
             for step in range(start, rc.steps):
                 micro = []
                 for k in range(rc.grad_accum):
-                    rows, length = plan(step * rc.grad_accum + k)
+                    index = step * rc.grad_accum + k
+                    rows, length = plan(index)
                     batch = batch_of(rows, length)
                     lengths = batch.attention_mask.sum(axis=1)
                     tokens += int(lengths.sum())
-                    flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths)
+                    if rc.kind == "eagle1":
+                        flops += objective.eagle1_flops(dcfg, lengths)
+                        args = (*place_batch(batch, sh), np.int32(index))  # the index draws the noise
+                    else:
+                        flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths)
+                        args = place_batch(batch, sh)
                     state["params"], state["opt_state"], m = step_fn(
-                        state["params"], state["opt_state"], vmap_dev, weights, *place_batch(batch, sh)
+                        state["params"], state["opt_state"], vmap_dev, weights, *args
                     )
                     micro.append(m)
                 done = step + 1
