@@ -212,6 +212,15 @@ def test_too_long_dropped_and_counted(tmp_path, tokenizer):
         data.load_examples([path], tokenizer, 4, 1024)
 
 
+@pytest.mark.parametrize("n", [data.TOKENIZE_CHUNK - 1, data.TOKENIZE_CHUNK, data.TOKENIZE_CHUNK + 1])
+def test_every_conversation_is_kept_around_a_tokenizer_chunk(tmp_path, tokenizer, n):
+    """Conversations are tokenized in chunks; a file that fills its last chunk exactly loads like any other."""
+    records = [sharegpt(("human", f"t{10 + i % 50}"), ("gpt", f"t{11 + i % 50} t12")) for i in range(n)]
+    path = write(tmp_path / "chunk.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+    examples, stats = data.load_examples([path], tokenizer, 64, 1024)
+    assert len(examples) == stats.examples == n
+
+
 def test_ids_outside_target_vocab_rejected(tmp_path, tokenizer):
     path = write(tmp_path / "v.json", json.dumps([sharegpt(("human", "t10"), ("gpt", "t900"))]))
     with pytest.raises(EagleError, match="outside the target vocabulary"):

@@ -299,6 +299,8 @@ def load_examples(
 
     def flush() -> None:
         nonlocal stats
+        if not texts:  # the conversations filled the last chunk exactly
+            return
         for ex in tokenize_with_mask(tokenizer, texts, spans):
             if len(ex.input_ids) > max_length:
                 stats += DataStats(too_long=1)
