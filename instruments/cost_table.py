@@ -15,7 +15,8 @@ prompts, prefill included. Reported: spec and plain tokens/s, speedup, tau, c = 
 
 With --official-python and --eagle-repo, `instruments/official_timing.py` then times the official PyTorch code on
 the same prompts and envelopes (batch 1: the official code decodes one sequence) in a subprocess under that
-Python, and the table adds its tokens/s, c and the ratio ours / official.
+Python, and the table adds its tokens/s, c, the ratio ours / official and whether each prompt's tokens and drafts
+accepted per cycle are the official run's (batch 1).
 """
 
 from __future__ import annotations
@@ -69,7 +70,22 @@ def figures(spec: list[list[dict]], plain: list[list[dict]], speculative: bool =
         "plain_step_ms": 1000 * step_s,
         "new_tokens": spec_tokens,
         "identical": all(s["tokens"] == p["tokens"] for s, p in zip(spec[0], plain[0], strict=True)),
+        "per_row": [
+            {"tokens": t, "accept_lengths": a} for r in spec[0] for t, a in zip(r["tokens"], r["accept_lengths"])
+        ],
     }
+
+
+def same_as_official(ours: list[dict], theirs: list[dict]) -> bool:
+    """Whether each prompt's tokens and drafts accepted per cycle (batch 1) are the official run's: the official
+    loop overshoots the token limit, ours stops at it, so ours is a prefix (its last cycle possibly cut short)."""
+    for o, t in zip(ours, theirs, strict=True):
+        a, b = o["accept_lengths"], t["accept_lengths"]
+        if o["tokens"] != t["output_ids"][: len(o["tokens"])] or len(a) > len(b):
+            return False
+        if a and (a[:-1] != b[: len(a) - 1] or a[-1] > b[len(a) - 1]):
+            return False
+    return True
 
 
 def npz_prompts(path: str) -> list[list[int]]:
@@ -132,7 +148,7 @@ def table(report: dict) -> str:
     cols = ["batch", "envelope", "spec tok/s", "plain tok/s", "speedup", "tau"]
     cols += ["cycle ms", "plain step ms", "c", "identical"]
     if official:
-        cols += ["official spec tok/s", "official plain tok/s", "official c", "spec ours/official"]
+        cols += ["official spec tok/s", "official plain tok/s", "official c", "spec ours/official", "same as official"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in report["rows"]:
         env = r["envelope"] + (" (budget)" if r.get("budget") else "")
@@ -154,9 +170,10 @@ def table(report: dict) -> str:
                     f"{o['plain_tokens_per_s']:.1f}",
                     f"{o['c']:.2f}",
                     f"{r['spec_tokens_per_s'] / o['spec_tokens_per_s']:.2f}x",
+                    "yes" if o["same_tokens_and_accepts"] else "NO",
                 ]
                 if o
-                else ["-"] * 4
+                else ["-"] * 5
             )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -231,10 +248,12 @@ def _main(argv: Sequence[str] | None) -> int:
         report["official"] = {k: official[k] for k in ("kind", "threads", "torch", "transformers", "repeats")}
         for r in rows:
             if r["batch"] == 1 and r["envelope"] in by_env:
+                theirs = by_env[r["envelope"]]
                 r["official"] = {
-                    k: by_env[r["envelope"]][k]
+                    k: theirs[k]
                     for k in ("spec_tokens_per_s", "plain_tokens_per_s", "speedup", "tau", "c", "spec_matches_greedy")
                 }
+                r["official"]["same_tokens_and_accepts"] = same_as_official(r["per_row"], theirs["per_prompt"])
         report["load_average_end"] = os.getloadavg()
         print(table(report))
         if a.json:

@@ -8,6 +8,7 @@ batch 1, temperature 0, ``--repeats`` times, the two interleaved prompt by promp
 tokens/s), cycles (``idx + 1`` from ``log=True``), tau = new tokens / cycles and
 c = (speculative seconds / cycles) / (plain seconds / plain tokens) - 1. It also checks the greedy outputs against
 ``reference.npz``: the official run of the same head and envelope where the file has one, and plain greedy decoding.
+Per prompt it also records, from one more untimed run, the new token ids and the drafts accepted in each cycle.
 
     python instruments/official_timing.py --eagle-repo DIR --target tests/golden/target --draft tests/golden/eagle3
         --prompts-npz tests/golden/reference.npz [--max-new-tokens 64] [--envelopes 60/7/10,16/4/4] [--repeats 3]
@@ -79,6 +80,25 @@ def timed(fn: Callable[..., Any], input_ids: torch.Tensor, max_new_tokens: int) 
     return time.perf_counter() - start, ids[0].numpy(), int(idx) + 1
 
 
+def recorded(model: Any, input_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """New token ids and accepted drafts per cycle of one greedy `eagenerate`: the official loop's
+    `evaluate_posterior` is wrapped for the call to record each cycle's accept length."""
+    module = sys.modules[type(model).__module__]
+    official, lengths = module.evaluate_posterior, []
+
+    def evaluate_posterior(*args, **kwargs):
+        best, accept_length, sample_p = official(*args, **kwargs)
+        lengths.append(int(accept_length))
+        return best, accept_length, sample_p
+
+    module.evaluate_posterior = evaluate_posterior
+    try:
+        ids = model.eagenerate(input_ids, temperature=0.0, max_new_tokens=max_new_tokens)
+    finally:
+        module.evaluate_posterior = official
+    return ids[0, input_ids.shape[1] :].tolist(), lengths
+
+
 def run_envelope(
     ea_model_cls: Any,
     args: argparse.Namespace,
@@ -109,6 +129,7 @@ def run_envelope(
         spec_s.append(sum(spec[0] for spec, _ in runs))
         plain_s.append(sum(plain[0] for _, plain in runs))
     spec_out, cycles = [spec[1] for spec, _ in runs], [spec[2] for spec, _ in runs]
+    records = [recorded(model, ids, new) for ids in prompts]  # untimed
     plain_out = [plain[1] for _, plain in runs]
     spec_new = [len(o) - p.shape[1] for o, p in zip(spec_out, prompts, strict=True)]
     plain_new = [len(o) - p.shape[1] for o, p in zip(plain_out, prompts, strict=True)]
@@ -130,8 +151,15 @@ def run_envelope(
         "tau": sum(spec_new) / sum(cycles),
         "c": (spec_s_med / sum(cycles)) / (plain_s_med / sum(plain_new)) - 1,
         "per_prompt": [
-            {"prompt_len": p.shape[1], "spec_new": s, "cycles": c, "plain_new": n}
-            for p, s, c, n in zip(prompts, spec_new, cycles, plain_new, strict=True)
+            {
+                "prompt_len": p.shape[1],
+                "spec_new": s,
+                "cycles": c,
+                "plain_new": n,
+                "output_ids": record[0],
+                "accept_lengths": record[1],
+            }
+            for p, s, c, n, record in zip(prompts, spec_new, cycles, plain_new, records, strict=True)
         ],
         "reference_run": run_key if has_run else None,
         "spec_matches_reference_run": (
