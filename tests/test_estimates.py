@@ -9,7 +9,7 @@ import pytest
 from eagle_jax.decoding import budget, cost
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
-from instruments import cost_table, tpu_estimate
+from instruments import cost_table, head_race, tpu_estimate
 
 CHIP = cost.Chip("test", peak_flops=100.0, hbm_bandwidth=10.0)
 
@@ -95,13 +95,27 @@ def test_cost_table_figures_by_hand():
 def test_cost_table_markdown():
     row = {"batch": 1, "envelope": "5/4/1", "budget": False, "spec_tokens_per_s": 20.0, "plain_tokens_per_s": 10.0}
     row |= {"speedup": 2.0, "tau": 3.0, "cycle_ms": 1.5, "plain_step_ms": 1.0, "c": 0.5, "identical": True}
-    official = {"spec_tokens_per_s": 5.0, "plain_tokens_per_s": 4.0, "c": 1.25}
+    official = {"spec_tokens_per_s": 5.0, "plain_tokens_per_s": 4.0, "c": 1.25, "same_tokens_and_accepts": True}
     text = cost_table.table({"rows": [row, {**row, "batch": 8, "budget": True, "c": None, "cycle_ms": None}]})
     assert "| 1 | 5/4/1 | 20.0 | 10.0 | 2.00x | 3.00 | 1.50 | 1.00 | 0.50 | yes |" in text
     assert "| 8 | 5/4/1 (budget) | 20.0 | 10.0 | 2.00x | 3.00 | - | 1.00 | - | yes |" in text
     assert "| 8 | 5/4/1 (budget) |" in text and "official" not in text
     text = cost_table.table({"rows": [{**row, "official": official}, {**row, "batch": 8}]})
-    assert "| 5.0 | 4.0 | 1.25 | 4.00x |" in text and text.endswith("| - | - | - | - |")
+    assert "| 5.0 | 4.0 | 1.25 | 4.00x | yes |" in text and text.endswith("| - | - | - | - | - |")
+
+
+def test_same_as_official_by_hand():
+    """Ours is a prefix of the official run (which overshoots the token limit), its last cycle possibly cut."""
+    theirs = [{"output_ids": [5, 6, 7, 8, 9, 10], "accept_lengths": [2, 0, 2]}]
+    assert cost_table.same_as_official([{"tokens": [5, 6, 7, 8, 9, 10], "accept_lengths": [2, 0, 2]}], theirs)
+    assert cost_table.same_as_official([{"tokens": [5, 6, 7, 8, 9], "accept_lengths": [2, 0, 1]}], theirs)
+    for tokens, accepts in (
+        ([5, 6, 7, 8, 9, 11], [2, 0, 2]),  # another token
+        ([5, 6, 7, 8, 9, 10], [1, 1, 2]),  # the same tokens, other cycles
+        ([5, 6, 7, 8, 9, 10], [2, 0, 3]),  # the last cycle accepts more than theirs
+        ([5, 6, 7], [2, 0, 2, 0]),  # more cycles than theirs
+    ):
+        assert not cost_table.same_as_official([{"tokens": tokens, "accept_lengths": accepts}], theirs)
 
 
 def test_tpu_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir, capsys):
@@ -145,3 +159,20 @@ def test_train_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir):
     assert train_estimate.main([*argv[:3], "8,16", *argv[4:], "--modes", "offline", "--cpu", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert rows[:2] == [online, offline] and [(r["mode"], r["batch"]) for r in rows[2:]] == [("offline", 16)]
+
+
+def test_head_race_accounting_by_hand():
+    """A process's CPU time as /proc counts it is what Python counts; the CPU hours when a step was first logged."""
+    import os
+    import time
+
+    start = time.process_time()
+    while time.process_time() - start < 0.3:
+        pass
+    assert head_race.cpu_seconds(os.getpid()) == pytest.approx(time.process_time(), abs=0.05)
+    trace = [[10.0, 0], [3600.0, 5], [7200.0, 12]]
+    assert head_race.hours_at(trace, 5) == 1.0 and head_race.hours_at(trace, 6) == 2.0
+    assert head_race.hours_at(trace, 99) == 2.0  # not logged yet: the last reading
+    assert head_race.chain_flags("5/4/1") == ["--total-tokens", "5", "--depth", "4", "--tree-top-k", "1"]
+    with pytest.raises(EagleError, match="--chain"):
+        head_race.chain_flags("5/4")
