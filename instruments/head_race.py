@@ -11,7 +11,7 @@ core of its own by `taskset` when there are two, into OUT/eagle1 and OUT/eagle3.
 process's user and system time, all threads) is summed across restarts in OUT/race.json; when it reaches
 --cpu-hours the run gets SIGINT and stops after its step with a checkpoint and its head exported. Rerunning the
 same command continues: unfinished runs resume, a raised --cpu-hours trains further, finished measurements are
-kept.
+kept. Ctrl-C (or SIGTERM) stops both runs after their steps, with checkpoints, and then this command.
 
 Then each head is measured with `python -m infer.benchmark` on --questions (both cores, one after the other):
 with the same chain (--chain TOTAL/DEPTH/TOP_K) and with `--auto-budget` (the envelope it measures fastest
@@ -68,29 +68,52 @@ def train(a, out: Path, ledger: dict) -> None:
         args = [*shlex.split(a.common), *shlex.split(getattr(a, kind)), "--target", a.target, "--out", str(out / kind)]
         log = (out / f"{kind}.log").open("a")
         pin = ["taskset", "-c", str(cores[i % len(cores)])] if len(cores) > 1 and shutil.which("taskset") else []
-        proc = subprocess.Popen([*pin, sys.executable, "-m", f"train.{kind}", *args], stdout=log, stderr=log)
+        cmd = [*pin, sys.executable, "-m", f"train.{kind}", *args]  # a session of its own: signals come from here
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
         running[kind] = {"proc": proc, "base": entry["cpu_s"], "stopping": False, "log": log}
         print(f"{kind}: training from {entry['cpu_s'] / 3600:.2f} CPU hours (log {out / kind}.log)", flush=True)
+    stop: list[int] = []  # Ctrl-C or SIGTERM here: each run stops after its step, then this command
+    handlers = {
+        sig: signal.signal(sig, lambda signum, _: stop.append(signum)) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        poll(a, out, ledger, running, budget, stop)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if stop:
+        raise KeyboardInterrupt
+
+
+def poll(a, out: Path, ledger: dict, running: dict, budget: float, stop: list[int]) -> None:
+    """Until every run has exited: read their CPU time, send SIGINT to those past the budget (or to all, once a
+    signal came here or a run failed), keep the ledger."""
+    failed = []
     while running:
-        time.sleep(a.poll)
+        time.sleep(0.2 if stop else a.poll)
         for kind in list(running):
             r, entry = running[kind], ledger[kind]
             pid, status, usage = os.wait4(r["proc"].pid, os.WNOHANG)
             used = usage.ru_utime + usage.ru_stime if pid else cpu_seconds(r["proc"].pid)
             entry["cpu_s"] = r["base"] + used
-            entry["trace"].append([round(entry["cpu_s"], 1), last_step(out / kind)])
+            step = last_step(out / kind)
+            if not entry["trace"] or entry["trace"][-1][1] != step:
+                entry["trace"].append([round(entry["cpu_s"], 1), step])
             if pid:
                 r["proc"].returncode = code = os.waitstatus_to_exitcode(status)
                 r["log"].close()
                 del running[kind]
                 if code not in (0, command.EXIT_INTERRUPTED):
-                    raise EagleError(f"train.{kind} failed (exit code {code}); see {out / kind}.log")
+                    failed.append(f"train.{kind} failed (exit code {code}); see {out / kind}.log")
+                    stop.append(0)  # the other run stops too, with a checkpoint
                 entry["finished"] = code == 0
-                print(f"{kind}: stopped at step {last_step(out / kind)}, {entry['cpu_s'] / 3600:.2f} CPU hours")
-            elif entry["cpu_s"] >= budget and not r["stopping"]:
+                print(f"{kind}: stopped at step {step}, {entry['cpu_s'] / 3600:.2f} CPU hours", flush=True)
+            elif (entry["cpu_s"] >= budget or stop) and not r["stopping"]:
                 r["proc"].send_signal(signal.SIGINT)
                 r["stopping"] = True
         files.write_json_atomic(out / "race.json", ledger)
+    if failed:
+        raise EagleError(failed[0])
 
 
 def measure(a, out: Path, kind: str, name: str, extra: list[str]) -> dict:
