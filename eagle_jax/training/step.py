@@ -147,15 +147,15 @@ def make_train_step(
         tokens = (input_ids, attention_mask, loss_mask)
         return update(trainable, opt_state, vocab_map, tparams["embed"], features, logits, *tokens)
 
-    def stored(trainable, opt_state, vocab_map, readout, input_ids, attention_mask, loss_mask, features, hidden, top):
-        head = target.output_head(readout, tcfg).astype(compute_dtype)
+    def stored(trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, features, hidden, top):
+        head = target.output_head(weights, tcfg).astype(compute_dtype)
         targets = objective.targets_from_hidden({**trainable, **vocab_map}, dcfg, head, hidden, top)
         tokens = (input_ids, attention_mask, loss_mask)
-        embed = readout["embed"].astype(compute_dtype)
+        embed = weights["embed"].astype(compute_dtype)
         return update(trainable, opt_state, vocab_map, embed, features, targets, *tokens)
 
     batch = (sh.batch,) * 3
-    weights = {k: sh.target[k] for k in ("embed", "lm_head") if k in sh.target} if offline else sh.target
+    weights = readout(sh.target) if offline else sh.target
     rows = (sh.features, sh.features, sh.batch) if offline else ()
     return jax.jit(
         stored if offline else online,
@@ -163,6 +163,12 @@ def make_train_step(
         out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
         donate_argnums=(0, 1),
     )
+
+
+def readout(target_tree: dict) -> dict:
+    """The target's readout out of a tree of its parameters (or their shardings): the embedding, and the lm_head
+    when untied: all of the target a step from stored features holds."""
+    return {k: target_tree[k] for k in ("embed", "lm_head") if k in target_tree}
 
 
 def _apply(optimizer, trainable, opt_state, grads):
@@ -181,17 +187,17 @@ def _eagle1_step(
 ) -> Callable:
     """`make_train_step` for an EAGLE-1 head: the v1 objective on the target's final normed hidden states."""
 
-    def update(trainable, opt_state, readout, hidden, input_ids, attention_mask, loss_mask, index):
-        readout = jax.tree.map(lambda x: x.astype(compute_dtype), readout)
+    def update(trainable, opt_state, weights, hidden, input_ids, attention_mask, loss_mask, index):
+        weights = jax.tree.map(lambda x: x.astype(compute_dtype), weights)
         batch = objective.eagle1_batch(hidden.astype(compute_dtype), input_ids, attention_mask, loss_mask)
         if noise_seed is not None:
             key = jax.random.fold_in(jax.random.key(noise_seed), index)
             batch = (objective.uniform_noise(key, batch[0], attention_mask), *batch[1:])
-        head = target.output_head(readout, tcfg)
+        head = target.output_head(weights, tcfg)
 
         def loss(tr: dict):
             tr = jax.tree.map(lambda x: x.astype(compute_dtype), tr)
-            return objective.eagle1_loss(tr, dcfg, head, readout["embed"], *batch)
+            return objective.eagle1_loss(tr, dcfg, head, weights["embed"], *batch)
 
         (total, m), grads = jax.value_and_grad(loss, has_aux=True)(trainable)
         trainable, opt_state = _apply(optimizer, trainable, opt_state, grads)
@@ -200,13 +206,12 @@ def _eagle1_step(
 
     def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask, index):
         out = objective.target_outputs(tparams, tcfg, input_ids, attention_mask, (), compute_logits=False)
-        readout = {k: tparams[k] for k in ("embed", "lm_head") if k in tparams}
-        return update(trainable, opt_state, readout, out.hidden, input_ids, attention_mask, loss_mask, index)
+        return update(trainable, opt_state, readout(tparams), out.hidden, input_ids, attention_mask, loss_mask, index)
 
-    def stored(trainable, opt_state, vocab_map, readout, input_ids, attention_mask, loss_mask, hidden, index):
-        return update(trainable, opt_state, readout, hidden, input_ids, attention_mask, loss_mask, index)
+    def stored(trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, hidden, index):
+        return update(trainable, opt_state, weights, hidden, input_ids, attention_mask, loss_mask, index)
 
-    weights = {k: sh.target[k] for k in ("embed", "lm_head") if k in sh.target} if offline else sh.target
+    weights = readout(sh.target) if offline else sh.target
     rows = (sh.features,) if offline else ()
     return jax.jit(
         stored if offline else online,
@@ -241,7 +246,7 @@ def plan_training(
     tparams = abstract(with_dtype(target.param_specs(tcfg), compute), sh.target)
     tokens = (jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sh.batch),) * 3
     if offline:
-        tparams = {k: tparams[k] for k in ("embed", "lm_head") if k in tparams}
+        tparams = readout(tparams)
         rows = (
             jax.ShapeDtypeStruct((batch, seq_len, 3 * tcfg.hidden_size), jnp.bfloat16, sharding=sh.features),
             jax.ShapeDtypeStruct((batch, seq_len, tcfg.hidden_size), jnp.bfloat16, sharding=sh.features),
