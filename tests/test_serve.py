@@ -590,8 +590,9 @@ def test_two_processes_serve_as_one(served, tmp_path):
     answers, process 1 decodes in step. Concurrent greedy answers equal plain decoding, a client that goes
     away frees its slot, a seeded sample equals the one-process server's, and stopping process 0 stops both cleanly."""
     port = free_port()
+    # every row here fits 128 slots: one attention span (and fewer plan sizes) for both processes to compile
     procs, logs = two_hosts(
-        ["--mesh", "data=2,fsdp=2", "--max-batch", "4", "--max-len", "256", "--port", str(port)], tmp_path
+        ["--mesh", "data=2,fsdp=2", "--max-batch", "4", "--max-len", "128", "--port", str(port)], tmp_path
     )
     try:
         url = f"http://127.0.0.1:{port}"

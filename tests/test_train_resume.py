@@ -15,12 +15,17 @@ import pytest
 from convdata import (
     chain_conversations,
     next_token_table,
-    templated_target_dir,
     write_jsonl,
 )
 from test_train import ROOT, TINY, cli_env, read_jsonl, run_module
 
 from eagle_jax.training import trainer
+
+
+@pytest.fixture(scope="module")
+def env(workdir) -> dict:
+    """One compilation cache for the module's runs: a program another test already compiled is loaded, not rebuilt."""
+    return cli_env(workdir)
 
 
 def checkpoint_steps(out: Path) -> list[int]:
@@ -29,15 +34,14 @@ def checkpoint_steps(out: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
 
 
-def test_kill_9_and_resume_gives_the_same_losses(golden_dir, golden_target, tmp_path):
-    target = templated_target_dir(golden_dir, tmp_path / "target")
+def test_kill_9_and_resume_gives_the_same_losses(target_dir, golden_target, env, tmp_path):
     train = write_jsonl(
         tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0)
     )
-    env = cli_env(tmp_path)  # a shared compilation cache: the three processes compile once
+    # env: a shared compilation cache, the three processes compile once
     args = [
         "--target",
-        target,
+        target_dir,
         "--data",
         train,
         "--steps",
@@ -98,15 +102,13 @@ CTRL_C_LIKE_A_TERMINAL = (
 )
 
 
-def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(golden_dir, golden_target, tmp_path):
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(target_dir, golden_target, env, tmp_path):
     """The first SIGINT ends the step under way, saves it (no --save-every multiple needed) and
     exports the head, exit code 130; the same command then ends where an uninterrupted run ends."""
-    target = templated_target_dir(golden_dir, tmp_path / "target")
     train = write_jsonl(
         tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0)
     )
-    env = cli_env(tmp_path)
-    args = ["--target", target, "--data", train, "--steps", 30, *TINY, "--save-every", 1000, "--log-every", 1]
+    args = ["--target", target_dir, "--data", train, "--steps", 30, *TINY, "--save-every", 1000, "--log-every", 1]
     out = tmp_path / "stopped"
     proc = subprocess.Popen(
         [sys.executable, "-c", CTRL_C_LIKE_A_TERMINAL, *map(str, args), "--out", str(out)],
@@ -168,14 +170,12 @@ def test_an_ignored_sigint_stays_ignored():
         signal.signal(signal.SIGINT, before)
 
 
-def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(golden_dir, golden_target, tmp_path):
+def test_a_damaged_newest_checkpoint_resumes_from_the_previous_one(target_dir, golden_target, env, tmp_path):
     """Truncate a file of the newest checkpoint: the rerun says which one it skips, continues from the one
     before and ends with the same losses and head; with every checkpoint damaged it refuses in one line."""
-    target = templated_target_dir(golden_dir, tmp_path / "target")
     train = write_jsonl(tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 64, 40, seed=0))
-    env = cli_env(tmp_path)
     out = tmp_path / "run"
-    args = ["--target", target, "--data", train, "--out", out, "--steps", 4, *TINY, "--save-every", 2, "--keep", 3]
+    args = ["--target", target_dir, "--data", train, "--out", out, "--steps", 4, *TINY, "--save-every", 2, "--keep", 3]
     first = run_module("train.eagle3", [*args, "--log-every", 1], env)
     assert first.returncode == 0, first.stderr[-3000:]
     assert checkpoint_steps(out) == [2, 4]
@@ -251,16 +251,21 @@ def test_a_sealed_checkpoint_with_a_truncated_file_is_skipped_without_being_read
     assert asked == []
 
 
+@pytest.fixture(scope="module")
+def regeneration(target_dir, golden_target, env, workdir) -> tuple[list, Path]:
+    """(arguments of a regeneration, the file an uninterrupted run of them writes): one reference for every kill."""
+    convs = write_jsonl(workdir / "convs.jsonl", chain_conversations(next_token_table(*golden_target), 160, 8, seed=3))
+    args = ["--target", target_dir, "--data", convs, "--max-new-tokens", 6, "--batch-size", 1]  # chunks of 8
+    reference = run_module("train.regenerate", [*args, "--out", workdir / "ref.jsonl"], env)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    return args, workdir / "ref.jsonl"
+
+
 @pytest.mark.parametrize("seed", [0, 1])
-def test_regeneration_killed_at_a_random_point_continues_to_the_same_file(golden_dir, golden_target, tmp_path, seed):
+def test_regeneration_killed_at_a_random_point_continues_to_the_same_file(regeneration, env, tmp_path, seed):
     """kill -9 somewhere after the first chunk was written (mid-chunk or mid-line), rerun: the file equals an
     uninterrupted run's, byte for byte."""
-    target = templated_target_dir(golden_dir, tmp_path / "target")
-    convs = write_jsonl(tmp_path / "convs.jsonl", chain_conversations(next_token_table(*golden_target), 160, 8, seed=3))
-    env = cli_env(tmp_path)
-    args = ["--target", target, "--data", convs, "--max-new-tokens", 6, "--batch-size", 1]  # chunks of 8
-    reference = run_module("train.regenerate", [*args, "--out", tmp_path / "ref.jsonl"], env)
-    assert reference.returncode == 0, reference.stderr[-3000:]
+    args, ref = regeneration
 
     out = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(
@@ -284,4 +289,4 @@ def test_regeneration_killed_at_a_random_point_continues_to_the_same_file(golden
     resumed = run_module("train.regenerate", [*args, "--out", out], env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"continuing after {written} conversations" in resumed.stderr
-    assert out.read_bytes() == (tmp_path / "ref.jsonl").read_bytes()
+    assert out.read_bytes() == ref.read_bytes()
