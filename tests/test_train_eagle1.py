@@ -176,3 +176,13 @@ def test_bad_flags_and_another_kinds_run_are_one_line(target_dir, conversations,
     code, line = last_error(eagle1.main)
     assert code == 2 and "python -m train.eagle3 (this is train.eagle1)" in line and "use a new --out" in line
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["run.json"]
+
+
+def test_a_run_from_before_the_head_kind_was_recorded_resumes_as_eagle3(target_dir, conversations, tmp_path):
+    """run.json files written before `kind` and `noise` existed hold neither: they are EAGLE-3 runs and resume."""
+    rc = eagle3.parse_args(["--target", str(target_dir), "--data", str(conversations), "--out", str(tmp_path)])
+    saved = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(rc))).items() if k not in ("kind", "noise")}
+    (tmp_path / "run.json").write_text(json.dumps(saved))
+    trainer.check_resume(rc, tmp_path)
+    with pytest.raises(trainer.RunMismatch, match="kind='eagle3' \\(now 'eagle1'\\)"):
+        trainer.check_resume(dataclasses.replace(rc, kind="eagle1"), tmp_path)

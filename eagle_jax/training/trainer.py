@@ -155,7 +155,7 @@ def check_resume(rc: RunConfig, out: Path) -> None:
     except EagleError as exc:
         raise EagleError(f"{exc}; repair it (it holds the run's settings) or use a new run folder", "out") from None
     mine = json.loads(json.dumps(dataclasses.asdict(rc)))
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}  # a setting newer than the run
+    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}  # for a setting newer than the run
     diffs = [(k, saved.get(k, defaults[k]), mine[k]) for k in RESUME_KEYS if saved.get(k, defaults[k]) != mine[k]]
     if diffs:
         raise RunMismatch(out, diffs)
