@@ -10,8 +10,8 @@ Rows are written to --json one by one: a rerun with the same --json continues wi
 For each setup (a preset's target + head, bf16 compute, abstract weights: nothing is allocated), each mode
 and each global batch, the training step (`train.step.plan_training`: fsdp over the slice's chips) is compiled
 for the slice's topology by libtpu's compiler (no TPU needed). Its memory analysis says whether it fits
-(XLA:TPU refuses a step whose temporaries exceed a chip's HBM); the cost analysis of the step compiled with the
-TTT steps unrolled gives flops and bytes per chip (`step.step_flops_bytes`), and a roofline
+(XLA:TPU refuses a step whose temporaries exceed a chip's HBM); its cost analysis (the TTT steps are unrolled,
+so each is counted) gives flops and bytes per chip (`step.step_flops_bytes`), and a roofline
 max(flops / peak, bytes / HBM bandwidth) with the chip's published figures gives a step time and tokens/s
 per chip; "compute ms" is the flops alone at peak. XLA's bytes count every operand of every fused op (an upper
 bound on HBM traffic). An estimate, not a measurement: collectives, input loading and below-peak kernels are

@@ -135,7 +135,7 @@ def test_tpu_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir, ca
 def test_train_estimate_on_the_golden_target_with_xla_cpu(tmp_path, golden_dir):
     """Offline (stored features) holds less and computes less than online; its flops are the head's TTT step
     (`ttt_flops`, plus what XLA multiplies under the causal mask, plus the draft-vocabulary readout) within 10%,
-    which needs every TTT step counted (the cost is read from the step compiled with the steps unrolled)."""
+    which needs every TTT step counted."""
     import numpy as np
 
     from cli import plan

@@ -5,7 +5,7 @@ EAGLE-3 (TTT):
 
 For a right-padded batch, the frozen target gives fused features [B, T, 3Ht] and logits [B, T, V]
 (`target_batch`), or they come from a store (`eagle_jax.training.features`: the logits of the draft
-vocabulary rebuilt from the final hidden states, `Targets`). The draft then unrolls `steps` steps
+vocabulary rebuilt from the final hidden states, `Targets`). The draft then runs `steps` steps
 (`ttt_loss`); `shift(x, k)[t] = x[t+k]`, zero past the end. At step j, position t:
 - token `shift(input_ids, j+1)`, hidden input fc(features) at j = 0 and the previous step's pre-norm
   output afterwards, rope position t + j (base and scaling from the head's config);
@@ -88,46 +88,73 @@ def target_batch(
 
 def draft_columns(draft_params: dict, dcfg: DraftConfig) -> jax.Array:
     """Target ids of the draft vocabulary in draft-id order [Vd] (= the t2d columns, increasing)."""
-    return draft.to_target_ids(draft_params, dcfg, jnp.arange(dcfg.draft_vocab_size))
+    vocab_map = {k: jnp.asarray(draft_params[k]) for k in VOCAB_MAP_KEYS if k in draft_params}
+    return draft.to_target_ids(vocab_map, dcfg, jnp.arange(dcfg.draft_vocab_size))
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Targets:
-    """The target's side of the TTT objective: what its logits say at each position."""
+    """The target's side of the TTT objective one position after each of `loss_at` (zero past the end)."""
 
-    draft_logits: jax.Array  # [B, T, Vd] f32: the logits of the draft vocabulary's tokens
-    argmax: jax.Array  # [B, T] int32: the argmax over the full vocabulary
+    draft_logits: jax.Array  # [G, K, Vd] f32: the logits of the draft vocabulary's tokens
+    argmax: jax.Array  # [G, K] int32: the argmax over the full vocabulary
 
 
-def targets_from_logits(draft_params: dict, dcfg: DraftConfig, logits: jax.Array) -> Targets:
-    """From the target's logits [B, T, V] (the online step)."""
-    logits = jax.lax.stop_gradient(logits).astype(jnp.float32)
+def loss_positions(loss_mask: np.ndarray, groups: int = 1, parts: int = 4) -> np.ndarray:
+    """`loss_at` of a batch (host side) [G, K]: the batch's sequences in `groups` groups of B / G (a data-parallel
+    shard's each), and each group's loss-mask positions r * T + t (r its r-th sequence) in order, padded with
+    B / G * T (none) to the largest group's count rounded up to a multiple of B / G * T / `parts` (so a batch
+    shape compiles at most `parts` programs). Only these positions pay for the draft's readout in `ttt_loss`."""
+    b, t = loss_mask.shape
+    flat = np.asarray(loss_mask).reshape(groups, b // groups * t)
+    quantum = -(-flat.shape[1] // parts)
+    at = [np.flatnonzero(m) for m in flat]
+    k = min(flat.shape[1], max(1, -(-max(map(len, at)) // quantum)) * quantum)
+    return np.stack([np.pad(a, (0, k - len(a)), constant_values=flat.shape[1]) for a in at]).astype(np.int32)
+
+
+def _take(x: jax.Array, at: jax.Array) -> jax.Array:
+    """x [B, T, ...] at the group positions at [G, K] (`loss_positions`; out of range: zero) -> [G, K, ...]."""
+    g = at.shape[0]
+    x = x.reshape((g, -1) + x.shape[2:])  # [G, B / G * T, ...]
+    return x.at[jnp.arange(g)[:, None], at].get(mode="fill", fill_value=0)
+
+
+def _after(x: jax.Array, loss_at: jax.Array) -> jax.Array:
+    """x [B, T, ...] one position after each of `loss_at` [G, K] (zero past the end of a sequence) -> [G, K, ...]."""
+    t = x.shape[1]
+    return _take(x, jnp.where(loss_at % t == t - 1, x.shape[0] * t, loss_at + 1))
+
+
+def targets_from_logits(draft_params: dict, dcfg: DraftConfig, logits: jax.Array, loss_at: jax.Array) -> Targets:
+    """From the target's logits [B, T, V] (the online step), after each of `loss_at` [G, K]."""
+    logits = _after(jax.lax.stop_gradient(logits).astype(jnp.float32), loss_at)  # [G, K, V]
     return Targets(jnp.take(logits, draft_columns(draft_params, dcfg), axis=-1), argmax(logits))
 
 
 def targets_from_hidden(
-    draft_params: dict, dcfg: DraftConfig, output_head: jax.Array, hidden: jax.Array, full_argmax: jax.Array
+    draft_params: dict,
+    dcfg: DraftConfig,
+    output_head: jax.Array,
+    hidden: jax.Array,
+    full_argmax: jax.Array,
+    loss_at: jax.Array,
 ) -> Targets:
-    """From stored final normed hidden states [B, T, Ht] and full-vocabulary argmax [B, T] (the offline step):
-    the draft vocabulary's columns of the target's readout `output_head` [Ht, V], accumulated in f32."""
+    """From stored final normed hidden states [B, T, Ht] and full-vocabulary argmax [B, T] (the offline step),
+    after each of `loss_at` [G, K]: the draft vocabulary's columns of the target's readout `output_head` [Ht, V],
+    accumulated in f32."""
     columns = jnp.take(jax.lax.stop_gradient(output_head), draft_columns(draft_params, dcfg), axis=1)  # [Ht, Vd]
-    return Targets(linear(hidden.astype(columns.dtype), columns, out_dtype=jnp.float32), full_argmax)
+    hidden = _after(hidden, loss_at).astype(columns.dtype)  # [G, K, Ht]
+    return Targets(linear(hidden, columns, out_dtype=jnp.float32), _after(full_argmax, loss_at))
 
 
-def _step_targets(draft_params: dict, dcfg: DraftConfig, targets: jax.Array | Targets):
-    """Unshifted target side: p [B, T, Vd], argmax p [B, T], t2d[argmax logits] [B, T] bool, and that
-    flag for a zero (past-the-end) row. `targets`: the target's logits [B, T, V] or `Targets`."""
+def _step_targets(draft_params: dict, dcfg: DraftConfig, targets: Targets):
+    """p [G, K, Vd], argmax p [G, K] and t2d[argmax of the full logits] [G, K] bool of `targets`."""
     draft_params = jax.tree.map(jnp.asarray, draft_params)
-    if not isinstance(targets, Targets):
-        targets = targets_from_logits(draft_params, dcfg, targets)
-    p = jax.nn.softmax(targets.draft_logits, axis=-1)  # [B, T, Vd]
-    if dcfg.has_vocab_map:
-        t2d = draft_params["t2d"]
-        in_vocab, zero_row_in_vocab = t2d[targets.argmax], t2d[0]
-    else:
-        in_vocab, zero_row_in_vocab = jnp.ones(targets.argmax.shape, bool), True
-    return p, argmax(p), in_vocab, zero_row_in_vocab
+    p = jax.nn.softmax(targets.draft_logits, axis=-1)  # [G, K, Vd]
+    in_vocab = draft_params["t2d"][targets.argmax] if dcfg.has_vocab_map else jnp.ones(targets.argmax.shape, bool)
+    return p, argmax(p), in_vocab
 
 
 def _pad_end(x: jax.Array, n: int, fill) -> jax.Array:
@@ -136,37 +163,30 @@ def _pad_end(x: jax.Array, n: int, fill) -> jax.Array:
     return jnp.concatenate([x, jnp.full((x.shape[0], n) + x.shape[2:], fill, x.dtype)], axis=1)
 
 
-def _position_masks(in_vocab: jax.Array, zero_in, loss_mask: jax.Array, steps: int) -> jax.Array:
-    """[steps, B, T] f32 from in_vocab [B, T] (t2d of the target argmax) and the loss mask [B, T]."""
-    in_vocab = _pad_end(in_vocab, steps, zero_in)  # [B, T + S]
-    lm = _pad_end(jnp.asarray(loss_mask, jnp.float32), steps, 0.0)  # [B, T + S]
-    t = loss_mask.shape[1]
-    return jnp.stack([in_vocab[:, j + 1 : j + 1 + t] * lm[:, j : j + t] for j in range(steps)])
-
-
 def position_masks(
     draft_params: dict, dcfg: DraftConfig, target_logits: jax.Array, loss_mask: jax.Array, steps: int = 7
 ) -> jax.Array:
     """position_mask_j [steps, B, T] f32: t2d[argmax shift(target_logits, j+1)] * shift(loss_mask, j)."""
-    _, _, in_vocab, zero_in = _step_targets(draft_params, dcfg, target_logits)
-    return _position_masks(in_vocab, zero_in, loss_mask, steps)
+    b, t = loss_mask.shape
+    every = jnp.arange(b * t)[None]  # [1, B * T]
+    _, _, in_vocab = _step_targets(draft_params, dcfg, targets_from_logits(draft_params, dcfg, target_logits, every))
+    gate = _pad_end(in_vocab.reshape(b, t) * jnp.asarray(loss_mask, jnp.float32), steps, 0.0)  # [B, T + S]
+    return jnp.stack([gate[:, j : j + t] for j in range(steps)])  # [S, B, T]
 
 
 def _ttt_attend(
-    q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array, kd: jax.Array, vd: jax.Array, valid: jax.Array
+    q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array, kd: jax.Array, vd: jax.Array
 ) -> jax.Array:
     """Attention of a step-j query q [B, T, N, D] over the union, under one softmax, of
     - the step-0 keys/values k0, v0 [B, T, KV, D] allowed by mask0 [B, T, T], and
-    - the keys/values of steps 1..S at the query's own position, kd, vd [B, S, T, KV, D], where only
-      the slots with valid [S] (steps 1..j) count.  -> [B, T, N, D]."""
+    - the keys/values of steps 1..j at the query's own position, kd, vd [B, j, T, KV, D].  -> [B, T, N, D]."""
     b, t, n, d = q.shape
     kv = k0.shape[2]
     q = q.reshape(b, t, kv, n // kv, d)
     floor = jnp.finfo(jnp.float32).min
     block = jnp.einsum("btkgd,bskd->bkgts", q, k0, preferred_element_type=jnp.float32) / math.sqrt(d)
     block = jnp.where(mask0[:, None, None], block, floor)  # [B, KV, G, T, T]
-    diag = jnp.einsum("btkgd,bjtkd->bkgtj", q, kd, preferred_element_type=jnp.float32) / math.sqrt(d)
-    diag = jnp.where(valid, diag, floor)  # [B, KV, G, T, S]
+    diag = jnp.einsum("btkgd,bjtkd->bkgtj", q, kd, preferred_element_type=jnp.float32) / math.sqrt(d)  # [.., T, j]
     # softmax over [block, diag] without concatenating them
     top = jax.lax.stop_gradient(jnp.maximum(block.max(-1, keepdims=True), diag.max(-1, keepdims=True)))
     e_block, e_diag = jnp.exp(block - top), jnp.exp(diag - top)
@@ -209,18 +229,20 @@ def ttt_loss(
     input_ids: jax.Array,
     attention_mask: jax.Array,
     loss_mask: jax.Array,
+    loss_at: jax.Array | None = None,
     steps: int = 7,
     step_weight: float = 0.8,
-    unroll: bool = False,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Official EAGLE-3 TTT objective -> (sum_j step_weight**j * plosses[j] (f32), metrics).
 
     embed [V, H] (frozen target embedding), features [B, T, 3Ht], targets (the target's logits [B, T, V] or
-    `Targets`), input_ids / attention_mask / loss_mask [B, T]. Metrics, each [steps]: `plosses` f32, `acces` f32
-    (`accuracies` gives the exact float64 values), `n_correct`, `n_counted` (positions with mask 1)
-    and `loss_mask_sum` (the accuracy denominator without 1e-6), int32.
-    Steps 1.. run as one `lax.scan` (unrolled with `unroll`, e.g. for a compiler's cost analysis, which counts a
-    loop body once). Jit with `static_argnames=("dcfg", "steps", "step_weight", "unroll")`.
+    `Targets` after `loss_at`), input_ids / attention_mask / loss_mask [B, T]. `loss_at` [G, K]
+    (`loss_positions`): positions that hold every loss-mask position of each group of B / G sequences (default: all
+    positions, one group); step j reads the draft out only at p - j for each p of them, where its loss can reach.
+    Metrics, each [steps]: `plosses` f32, `acces` f32 (`accuracies` gives the exact float64 values), `n_correct`,
+    `n_counted` (positions with mask 1) and `loss_mask_sum` (the accuracy denominator without 1e-6), int32.
+    The steps are unrolled (a few; each attends to a different number of earlier steps' keys, and a compiler's cost
+    analysis counts every one). Jit with `static_argnames=("dcfg", "steps", "step_weight")`.
     """
     if dcfg.kind != "eagle3":
         raise EagleError(f"TTT trains EAGLE-3 heads, got a {dcfg.kind} config")
@@ -229,29 +251,27 @@ def ttt_loss(
     b, t = input_ids.shape
     p = draft_params["layers"][0]
     embed = jax.lax.stop_gradient(jnp.asarray(embed))
-    probs, target_argmax, in_vocab, zero_in = _step_targets(draft_params, dcfg, targets)
-    # padded at the end so that step j reads rows [j+1, j+1+T) (the zero-filled shift)
-    tokens = _pad_end(input_ids, steps, 0)  # [B, T + S]
-    probs = _pad_end(probs, steps, 1.0 / dcfg.draft_vocab_size)  # [B, T + S, Vd]; softmax of a zero row
-    target_argmax = _pad_end(target_argmax, steps, 0)  # [B, T + S]; argmax of a zero row
-    masks = _position_masks(in_vocab, zero_in, loss_mask, steps)  # [S, B, T]
-    lm = _pad_end(loss_mask.astype(jnp.float32), steps, 0.0)  # [B, T + S]
+    loss_at = jnp.arange(b * t)[None] if loss_at is None else jnp.asarray(loss_at)  # [G, K]
+    if not isinstance(targets, Targets):
+        targets = targets_from_logits(draft_params, dcfg, targets, loss_at)
+    probs, target_argmax, in_vocab = _step_targets(draft_params, dcfg, targets)  # [G, K, Vd], [G, K], [G, K]
+    lm = _take(jnp.asarray(loss_mask, jnp.float32), loss_at)  # [G, K]: 0 for the padding
+    position = loss_at % t  # [G, K]: in its sequence
+    tokens = _pad_end(input_ids, steps, 0)  # [B, T + S]: step j reads [j+1, j+1+T) (the zero-filled shift)
     mask0 = padded_causal(attention_mask)  # [B, T, T]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
 
-    def window(x: jax.Array, start) -> jax.Array:  # rows [start, start + T)
-        return jax.lax.dynamic_slice_in_dim(x, start, t, axis=1)
-
-    def step_input(h: jax.Array, j):
-        emb = embed[window(tokens, j + 1)].astype(h.dtype)  # [B, T, H]
+    def step_input(h: jax.Array, j: int):
+        emb = embed[tokens[:, j + 1 : j + 1 + t]].astype(h.dtype)  # [B, T, H]
         return draft.qkv(p, dcfg, draft.eagle3_input(p, dcfg, emb, h), positions + j)
 
-    def step_loss(h: jax.Array, j) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        logits = draft.logits(draft_params, dcfg, h, None)  # [B, T, Vd] f32
-        lm_j = window(lm, j)  # [B, T]
-        mask_j = masks[j]  # [B, T]
-        loss = soft_cross_entropy(logits, window(probs, j + 1), mask_j) / (b * t)
-        hit = argmax(logits) == window(target_argmax, j + 1)
+    def step_loss(h: jax.Array, j: int) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        lm_j = lm * (position >= j)  # [G, K]: shift(loss_mask, j) at the positions read out
+        out = _take(h, jnp.where(position >= j, loss_at - j, b * t))  # [G, K, H]
+        logits = draft.logits(draft_params, dcfg, out, None)  # [G, K, Vd] f32
+        mask_j = in_vocab * lm_j
+        loss = soft_cross_entropy(logits, probs, mask_j) / (b * t)
+        hit = argmax(logits) == target_argmax
         count = lambda x: jnp.sum(x).astype(jnp.int32)  # noqa: E731
         return loss, count(hit * mask_j), count(mask_j), count(lm_j)
 
@@ -259,22 +279,15 @@ def ttt_loss(
     h = draft.project_features(draft_params, dcfg, features)  # [B, T, H]
     q, k0, v0 = step_input(h, 0)
     h = draft.post_attention(p, dcfg, attend(q, jnp.swapaxes(k0, 1, 2), jnp.swapaxes(v0, 1, 2), mask0), h)
-    first = step_loss(h, 0)
-
-    def later_step(carry, j):
-        h, kd, vd = carry
+    parts = [step_loss(h, 0)]
+    kd, vd = [], []  # keys and values of steps 1..j, each [B, T, KV, D]
+    for j in range(1, steps):
         q, k, v = step_input(h, j)
-        kd = kd.at[:, j - 1].set(k)
-        vd = vd.at[:, j - 1].set(v)
-        attn = _ttt_attend(q, k0, v0, mask0, kd, vd, jnp.arange(steps - 1) < j)
-        h = draft.post_attention(p, dcfg, attn, h)
-        return (h, kd, vd), step_loss(h, j)
-
-    parts = [tuple(x[None] for x in first)]
-    if steps > 1:
-        buf = jnp.zeros((b, steps - 1) + k0.shape[1:], k0.dtype)  # [B, S-1, T, KV, D]
-        parts.append(jax.lax.scan(later_step, (h, buf, buf), jnp.arange(1, steps), unroll=unroll)[1])
-    plosses, n_correct, n_counted, lm_sums = (jnp.concatenate(xs) for xs in zip(*parts))
+        kd.append(k)
+        vd.append(v)
+        h = draft.post_attention(p, dcfg, _ttt_attend(q, k0, v0, mask0, jnp.stack(kd, 1), jnp.stack(vd, 1)), h)
+        parts.append(step_loss(h, j))
+    plosses, n_correct, n_counted, lm_sums = (jnp.stack(xs) for xs in zip(*parts))
     total = jnp.sum(plosses * step_weight ** jnp.arange(steps, dtype=jnp.float32))
     metrics = {
         "plosses": plosses,
@@ -319,10 +332,11 @@ def simulated_tau(acces: jax.Array) -> jax.Array:
     return 1.0 + jnp.sum(jnp.cumprod(jnp.asarray(acces)))
 
 
-def ttt_flops(dcfg: DraftConfig, steps: int, lengths: np.ndarray) -> float:
-    """Model FLOPs of a TTT training step on sequences of these real lengths [B]: forward and backward, counted
-    as 3x the forward's multiply-adds (fc once, the layer and lm_head once per step; attention over the
-    causal prefix plus the step's earlier TTT keys). Padding and masked work are not counted."""
+def ttt_flops(dcfg: DraftConfig, steps: int, lengths: np.ndarray, readouts: float | None = None) -> float:
+    """Model FLOPs of a TTT training step on sequences of these real lengths [B] with `readouts` positions read out
+    (the loss mask's; default every token): forward and backward, counted as 3x the forward's multiply-adds (fc
+    once, the layer once per step on every token, the lm_head once per step on the read-out positions; attention
+    over the causal prefix plus the step's earlier TTT keys). Padding and masked work are not counted."""
     specs = draft.param_specs(dcfg)
 
     def weights(tree) -> int:
@@ -330,7 +344,10 @@ def ttt_flops(dcfg: DraftConfig, steps: int, lengths: np.ndarray) -> float:
 
     lengths = np.asarray(lengths, np.float64)
     tokens, pairs = lengths.sum(), (lengths * (lengths + 1) / 2).sum()
-    dense = tokens * (weights(specs["fc"]) + steps * weights([specs["layers"], specs["lm_head"]]))
+    readouts = tokens if readouts is None else readouts
+    dense = tokens * (weights(specs["fc"]) + steps * weights(specs["layers"])) + readouts * steps * weights(
+        specs["lm_head"]
+    )
     attention = dcfg.num_heads * dcfg.head_dim * (steps * pairs + tokens * steps * (steps - 1) / 2)
     return 3 * 2 * float(dense + 2 * attention)
 

@@ -99,26 +99,27 @@ def make_train_step(
     sh: Shardings,
     compute_dtype=jnp.float32,
     offline: bool = False,
-    unroll: bool = False,
     noise_seed: int | None = None,
 ) -> Callable:
     """The jitted train step -> (trainable, opt_state, metrics).
 
-    Online: (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask): the target runs forward
-    (no gradient, not in the optimiser). Offline (`features.FeatureStore`): (trainable, opt_state, vocab_map,
-    readout, ids, attn, loss_mask, features [B, T, 3Ht], hidden [B, T, Ht], argmax [B, T]), `readout` the
-    target's embed (and lm_head when untied). `unroll` unrolls the TTT steps (for cost analysis). The draft
-    computes in `compute_dtype` from fp32 master weights; the loss is fp32. Metrics are sums/values of one
-    micro-batch.
+    Online: (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask, loss_at): the target runs
+    forward (no gradient, not in the optimiser); `loss_at` [G, K] (`objective.loss_positions`, one group per
+    batch shard) where the draft is read out. Offline (`features.FeatureStore`): (trainable, opt_state,
+    vocab_map, readout, ids, attn, loss_mask, loss_at, features [B, T, 3Ht], hidden [B, T, Ht], argmax [B, T]),
+    `readout` the target's embed (and lm_head when untied). The draft computes in `compute_dtype` from fp32
+    master weights; the loss is fp32. Metrics are sums/values of one micro-batch.
 
-    An EAGLE-1 head (`dcfg.kind`) trains on the final hidden states only: offline the stored rows are
-    (hidden,), and both take the micro-batch's index last (int32 []): with `noise_seed` the input features get
-    v1's uniform noise drawn from (noise_seed, index).
+    An EAGLE-1 head (`dcfg.kind`) trains on the final hidden states only, without `loss_at`: offline the stored
+    rows are (hidden,), and both take the micro-batch's index last (int32 []): with `noise_seed` the input
+    features get v1's uniform noise drawn from (noise_seed, index).
     """
     if dcfg.kind == "eagle1":
         return _eagle1_step(tcfg, dcfg, optimizer, sh, compute_dtype, offline, noise_seed)
 
-    def update(trainable, opt_state, vocab_map, embed, features, targets, input_ids, attention_mask, loss_mask):
+    def update(
+        trainable, opt_state, vocab_map, embed, features, targets, input_ids, attention_mask, loss_mask, loss_at
+    ):
         total, m, grads = objective.ttt_value_and_grad(
             {**trainable, **vocab_map},
             dcfg,
@@ -128,9 +129,9 @@ def make_train_step(
             input_ids,
             attention_mask,
             loss_mask,
+            loss_at,
             steps=ttt_steps,
             compute_dtype=compute_dtype,
-            unroll=unroll,
         )
         trainable, opt_state = _apply(optimizer, trainable, opt_state, grads)
         metrics = {
@@ -142,19 +143,21 @@ def make_train_step(
         }
         return trainable, opt_state, metrics
 
-    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask):
+    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask, loss_at):
         features, logits = objective.target_batch(tparams, tcfg, input_ids, attention_mask, dcfg.feature_layers(tcfg))
-        tokens = (input_ids, attention_mask, loss_mask)
+        tokens = (input_ids, attention_mask, loss_mask, loss_at)
         return update(trainable, opt_state, vocab_map, tparams["embed"], features, logits, *tokens)
 
-    def stored(trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, features, hidden, top):
+    def stored(
+        trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, loss_at, features, hidden, top
+    ):
         head = target.output_head(weights, tcfg).astype(compute_dtype)
-        targets = objective.targets_from_hidden({**trainable, **vocab_map}, dcfg, head, hidden, top)
-        tokens = (input_ids, attention_mask, loss_mask)
+        targets = objective.targets_from_hidden({**trainable, **vocab_map}, dcfg, head, hidden, top, loss_at)
+        tokens = (input_ids, attention_mask, loss_mask, loss_at)
         embed = weights["embed"].astype(compute_dtype)
         return update(trainable, opt_state, vocab_map, embed, features, targets, *tokens)
 
-    batch = (sh.batch,) * 3
+    batch = (sh.batch,) * 4
     weights = readout(sh.target) if offline else sh.target
     rows = (sh.features, sh.features, sh.batch) if offline else ()
     return jax.jit(
@@ -230,7 +233,6 @@ def plan_training(
     ttt_steps: int = 7,
     bf16: bool = True,
     offline: bool = False,
-    unroll: bool = False,
 ) -> MemoryPlan:
     """Compile the train step (`make_train_step`) on [batch, seq_len] token batches with abstract arguments;
     offline: from stored bf16 features, only the target's readout resident."""
@@ -238,13 +240,16 @@ def plan_training(
     compute = jnp.bfloat16 if bf16 else jnp.float32
     optimizer = make_optimizer(5e-5, 1, 1)  # the schedule does not change the state's shapes
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
-    step = make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute, offline, unroll)
+    step = make_train_step(tcfg, dcfg, optimizer, ttt_steps, sh, compute, offline)
     trainable_specs, map_specs = objective.split_trainable(draft.param_specs(dcfg))
     trainable = abstract(trainable_specs, sh.trainable)
     opt_state = abstract(jax.eval_shape(optimizer.init, trainable), sh.opt_state)
     vocab_map = abstract(map_specs, sh.vocab_map)
     tparams = abstract(with_dtype(target.param_specs(tcfg), compute), sh.target)
     tokens = (jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sh.batch),) * 3
+    if dcfg.kind == "eagle3":  # read out everywhere: the most a batch can ask for
+        groups = sharding.data_parallelism(mesh)
+        tokens += (jax.ShapeDtypeStruct((groups, batch // groups * seq_len), jnp.int32, sharding=sh.batch),)
     if offline:
         tparams = readout(tparams)
         rows = (
@@ -285,12 +290,8 @@ def step_flops_bytes(
     bf16: bool,
     offline: bool,
 ) -> tuple[MemoryPlan, float, float]:
-    """The step's memory plan and its flops and bytes accessed per device by the compiler's count. A cost analysis
-    counts a loop body once, so the costs come from a second compile with the TTT steps unrolled (the memory plan
-    is the real, rolled step's). Zero costs when the compiler refused the step."""
+    """The step's memory plan and its flops and bytes accessed per device by the compiler's count (every TTT step:
+    they are unrolled). Zero costs when the compiler refused the step."""
     plan = plan_training(tcfg, dcfg, mesh, batch, seq_len, ttt_steps, bf16, offline)
-    (rolled,) = plan.programs
-    if rolled.refused:
-        return plan, 0.0, 0.0
-    (unrolled,) = plan_training(tcfg, dcfg, mesh, batch, seq_len, ttt_steps, bf16, offline, unroll=True).programs
-    return plan, unrolled.flops, unrolled.bytes_accessed
+    (program,) = plan.programs
+    return plan, (0.0 if program.refused else program.flops), (0.0 if program.refused else program.bytes_accessed)

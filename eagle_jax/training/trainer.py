@@ -99,9 +99,13 @@ class RunConfig:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
 
-def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, ...]:
-    """The step's batch arguments: ids, attention and loss masks [B, T] (and, from a store, the rows it holds)."""
+def place_batch(b: data.Batch, sh: Shardings, kind: str) -> tuple[jax.Array, ...]:
+    """The step's batch arguments: ids, attention and loss masks [B, T], for EAGLE-3 where the loss reads the
+    draft out (`objective.loss_positions`), and, from a store, the rows it holds."""
     placed = tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
+    if kind == "eagle3":  # one group of positions per batch shard
+        groups = sharding.data_parallelism(sh.batch.mesh)
+        placed += (sharding.put(objective.loss_positions(b.loss_mask, groups), sh.batch),)
     if isinstance(b, features.StoredBatch):
         rows = {"features": b.features, "hidden": b.hidden, "argmax": b.argmax}
         placed += tuple(
@@ -500,12 +504,12 @@ def train(rc: RunConfig) -> dict:
                     batch = batch_of(rows, length)
                     lengths = batch.attention_mask.sum(axis=1)
                     tokens += int(lengths.sum())
+                    args = place_batch(batch, sh, rc.kind)
                     if rc.kind == "eagle1":
                         flops += objective.eagle1_flops(dcfg, lengths)
-                        args = (*place_batch(batch, sh), np.int32(index))  # the index draws the noise
+                        args += (np.int32(index),)  # the index draws the noise
                     else:
-                        flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths)
-                        args = place_batch(batch, sh)
+                        flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths, batch.loss_mask.sum())
                     state["params"], state["opt_state"], m = step_fn(
                         state["params"], state["opt_state"], vmap_dev, weights, *args
                     )
