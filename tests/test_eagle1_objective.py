@@ -24,13 +24,18 @@ def golden(golden_dir):
     return dict(np.load(golden_dir / "eagle1_loss.npz"))
 
 
-def test_eagle1_loss_matches_official(golden_dir, golden_target, golden):
+@pytest.mark.parametrize("groups", [None, 1, 2], ids=["everywhere", "loss_positions", "per_sequence"])
+def test_eagle1_loss_matches_official(golden_dir, golden_target, golden, groups):
+    """Read out everywhere, or only at the loss mask's positions (`loss_positions`, as training does: in one group,
+    or one per sequence as on a data=2 mesh): the official values either way."""
     tcfg, tparams = golden_target
     dcfg, dparams = official.load_head(golden_dir / "eagle1", tcfg)
     batch = tuple(jnp.asarray(golden[n]) for n in NAMES)
+    loss_at = None if groups is None else objective.loss_positions(golden["loss_mask"], groups)
+    assert loss_at is None or loss_at.size < golden["loss_mask"].size  # fewer positions read out
 
     def loss(p):
-        return objective.eagle1_loss(p, dcfg, tparams["lm_head"], tparams["embed"], *batch)
+        return objective.eagle1_loss(p, dcfg, tparams["lm_head"], tparams["embed"], *batch, loss_at)
 
     (value, metrics), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(jax.tree.map(jnp.asarray, dparams))
     np.testing.assert_allclose(value, golden["loss"], rtol=1e-5)

@@ -368,6 +368,7 @@ def eagle1_loss(
     target: jax.Array,
     attention_mask: jax.Array,
     loss_mask: jax.Array,
+    loss_at: jax.Array | None = None,
     p_w: float = 0.1,
     v_w: float = 1.0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -381,24 +382,27 @@ def eagle1_loss(
     ploss = -sum(m * softmax(lm_head(target)) * log_softmax(lm_head(predict))) / n,
     vloss = sum over positions of m * mean over H of SmoothL1(predict - target) / n; metrics also hold the
     top-1/2/3 accuracies of lm_head(predict) against argmax lm_head(target) over the masked positions, their
-    counts `n_correct` [3] and `loss_mask_sum`.
+    counts `n_correct` [3] and `loss_mask_sum`. `loss_at` [G, K] (`loss_positions`: every position of the loss
+    mask, in groups of B / G sequences; default all positions): only they go through the lm_head.
     """
     b, t = input_ids.shape
     mask = padded_causal(attention_mask)  # [B, T, T]
     positions = jnp.broadcast_to(jnp.arange(t), (b, t))
     cache = draft.init_cache(dcfg, b, t, hidden_states.dtype)
     predict, _ = draft.forward(draft_params, dcfg, embed, input_ids, hidden_states, positions, cache, mask)
-    out_logits = draft.logits(draft_params, dcfg, predict, lm_head)  # [B, T, V] f32
-    target_logits = jax.lax.stop_gradient(draft.logits(draft_params, dcfg, target, lm_head))
     m = loss_mask.astype(jnp.float32)[..., None]  # [B, T, 1]
     n = jnp.sum(m) + 1e-5
-    ploss = -jnp.sum(m * jax.nn.softmax(target_logits, -1) * jax.nn.log_softmax(out_logits, -1)) / n
     diff = predict.astype(jnp.float32) - target.astype(jnp.float32)
     vloss = jnp.sum(jnp.mean(m * smooth_l1(diff), axis=-1)) / n
-    wanted = argmax(target_logits)  # [B, T]
-    top3 = jax.lax.top_k(out_logits, 3)[1]  # [B, T, 3]
-    hits = jnp.cumsum(top3 == wanted[..., None], axis=-1) > 0  # [B, T, 3]: within the top 1, 2, 3
-    n_correct = jnp.sum(m * hits, axis=(0, 1))  # [3]
+    loss_at = jnp.arange(b * t)[None] if loss_at is None else jnp.asarray(loss_at)  # [G, K]
+    out_logits = draft.logits(draft_params, dcfg, _take(predict, loss_at), lm_head)  # [G, K, V] f32
+    target_logits = jax.lax.stop_gradient(draft.logits(draft_params, dcfg, _take(target, loss_at), lm_head))
+    m_at = _take(m, loss_at)  # [G, K, 1]
+    ploss = -jnp.sum(m_at * jax.nn.softmax(target_logits, -1) * jax.nn.log_softmax(out_logits, -1)) / n
+    wanted = argmax(target_logits)  # [G, K]
+    top3 = jax.lax.top_k(out_logits, 3)[1]  # [G, K, 3]
+    hits = jnp.cumsum(top3 == wanted[..., None], axis=-1) > 0  # [G, K, 3]: within the top 1, 2, 3
+    n_correct = jnp.sum(m_at * hits, axis=(0, 1))  # [3]
     acc = n_correct / jnp.maximum(jnp.sum(m), 1.0)
     metrics = {"vloss": vloss, "ploss": ploss, "top1": acc[0], "top2": acc[1], "top3": acc[2]}
     return v_w * vloss + p_w * ploss, {**metrics, "n_correct": n_correct, "loss_mask_sum": jnp.sum(m)}
@@ -428,15 +432,16 @@ def uniform_noise(key: jax.Array, hidden: jax.Array, attention_mask: jax.Array, 
     return (hidden.astype(jnp.float32) + (u - 0.5) * std * 512 / length).astype(hidden.dtype)
 
 
-def eagle1_flops(dcfg: DraftConfig, lengths: np.ndarray) -> float:
-    """Model FLOPs of an EAGLE-1 training step on sequences of these real lengths [B]: the head's forward and
-    backward (3x the forward's multiply-adds: fc, its layers, causal attention, the readout of its prediction)
-    plus the forward-only readout of the target feature. Padding and masked work are not counted."""
+def eagle1_flops(dcfg: DraftConfig, lengths: np.ndarray, readouts: float | None = None) -> float:
+    """Model FLOPs of an EAGLE-1 training step on sequences of these real lengths [B] with `readouts` positions read
+    out (the loss mask's; default every token): the head's forward and backward (3x the forward's multiply-adds:
+    fc, its layers, causal attention, the readout of its prediction) plus the forward-only readout of the target
+    feature. Padding and masked work are not counted."""
     specs = draft.param_specs(dcfg)
     weights = sum(math.prod(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec) if len(s.shape) == 2)
     lengths = np.asarray(lengths, np.float64)
     tokens, pairs = lengths.sum(), (lengths * (lengths + 1) / 2).sum()
-    readout = tokens * dcfg.hidden_size * dcfg.vocab_size
+    readout = (tokens if readouts is None else readouts) * dcfg.hidden_size * dcfg.vocab_size
     attention = 2 * dcfg.num_layers * dcfg.num_heads * dcfg.head_dim * pairs
     return 2 * float(3 * (tokens * weights + attention + readout) + readout)
 

@@ -110,8 +110,8 @@ def make_train_step(
     `readout` the target's embed (and lm_head when untied). The draft computes in `compute_dtype` from fp32
     master weights; the loss is fp32. Metrics are sums/values of one micro-batch.
 
-    An EAGLE-1 head (`dcfg.kind`) trains on the final hidden states only, without `loss_at`: offline the stored
-    rows are (hidden,), and both take the micro-batch's index last (int32 []): with `noise_seed` the input
+    An EAGLE-1 head (`dcfg.kind`) trains on the final hidden states only: offline the stored rows are
+    (hidden,), and both take the micro-batch's index last (int32 []): with `noise_seed` the input
     features get v1's uniform noise drawn from (noise_seed, index).
     """
     if dcfg.kind == "eagle1":
@@ -190,7 +190,7 @@ def _eagle1_step(
 ) -> Callable:
     """`make_train_step` for an EAGLE-1 head: the v1 objective on the target's final normed hidden states."""
 
-    def update(trainable, opt_state, weights, hidden, input_ids, attention_mask, loss_mask, index):
+    def update(trainable, opt_state, weights, hidden, input_ids, attention_mask, loss_mask, loss_at, index):
         weights = jax.tree.map(lambda x: x.astype(compute_dtype), weights)
         batch = objective.eagle1_batch(hidden.astype(compute_dtype), input_ids, attention_mask, loss_mask)
         if noise_seed is not None:
@@ -200,25 +200,26 @@ def _eagle1_step(
 
         def loss(tr: dict):
             tr = jax.tree.map(lambda x: x.astype(compute_dtype), tr)
-            return objective.eagle1_loss(tr, dcfg, head, weights["embed"], *batch)
+            return objective.eagle1_loss(tr, dcfg, head, weights["embed"], *batch, loss_at)
 
         (total, m), grads = jax.value_and_grad(loss, has_aux=True)(trainable)
         trainable, opt_state = _apply(optimizer, trainable, opt_state, grads)
         metrics = {k: m[k] for k in ("vloss", "ploss", "n_correct", "loss_mask_sum")}
         return trainable, opt_state, {"loss": total, **metrics, "grad_norm": optax.tree.norm(grads)}
 
-    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask, index):
+    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask, loss_at, index):
         out = objective.target_outputs(tparams, tcfg, input_ids, attention_mask, (), compute_logits=False)
-        return update(trainable, opt_state, readout(tparams), out.hidden, input_ids, attention_mask, loss_mask, index)
+        tokens = (input_ids, attention_mask, loss_mask, loss_at)
+        return update(trainable, opt_state, readout(tparams), out.hidden, *tokens, index)
 
-    def stored(trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, hidden, index):
-        return update(trainable, opt_state, weights, hidden, input_ids, attention_mask, loss_mask, index)
+    def stored(trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, loss_at, hidden, index):
+        return update(trainable, opt_state, weights, hidden, input_ids, attention_mask, loss_mask, loss_at, index)
 
     weights = readout(sh.target) if offline else sh.target
     rows = (sh.features,) if offline else ()
     return jax.jit(
         stored if offline else online,
-        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + (sh.batch,) * 3 + rows + (sh.replicated,),
+        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + (sh.batch,) * 4 + rows + (sh.replicated,),
         out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
         donate_argnums=(0, 1),
     )
@@ -247,9 +248,8 @@ def plan_training(
     vocab_map = abstract(map_specs, sh.vocab_map)
     tparams = abstract(with_dtype(target.param_specs(tcfg), compute), sh.target)
     tokens = (jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=sh.batch),) * 3
-    if dcfg.kind == "eagle3":  # read out everywhere: the most a batch can ask for
-        groups = sharding.data_parallelism(mesh)
-        tokens += (jax.ShapeDtypeStruct((groups, batch // groups * seq_len), jnp.int32, sharding=sh.batch),)
+    groups = sharding.data_parallelism(mesh)  # loss_at: read out everywhere, the most a batch can ask for
+    tokens += (jax.ShapeDtypeStruct((groups, batch // groups * seq_len), jnp.int32, sharding=sh.batch),)
     if offline:
         tparams = readout(tparams)
         rows = (

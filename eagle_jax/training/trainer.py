@@ -99,13 +99,12 @@ class RunConfig:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
 
-def place_batch(b: data.Batch, sh: Shardings, kind: str) -> tuple[jax.Array, ...]:
-    """The step's batch arguments: ids, attention and loss masks [B, T], for EAGLE-3 where the loss reads the
-    draft out (`objective.loss_positions`), and, from a store, the rows it holds."""
+def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, ...]:
+    """The step's batch arguments: ids, attention and loss masks [B, T], where the loss reads the draft out
+    (`objective.loss_positions`, one group per batch shard), and, from a store, the rows it holds."""
     placed = tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
-    if kind == "eagle3":  # one group of positions per batch shard
-        groups = sharding.data_parallelism(sh.batch.mesh)
-        placed += (sharding.put(objective.loss_positions(b.loss_mask, groups), sh.batch),)
+    loss_at = objective.loss_positions(b.loss_mask, sharding.data_parallelism(sh.batch.mesh))
+    placed += (sharding.put(loss_at, sh.batch),)
     if isinstance(b, features.StoredBatch):
         rows = {"features": b.features, "hidden": b.hidden, "argmax": b.argmax}
         placed += tuple(
@@ -504,9 +503,9 @@ def train(rc: RunConfig) -> dict:
                     batch = batch_of(rows, length)
                     lengths = batch.attention_mask.sum(axis=1)
                     tokens += int(lengths.sum())
-                    args = place_batch(batch, sh, rc.kind)
+                    args = place_batch(batch, sh)
                     if rc.kind == "eagle1":
-                        flops += objective.eagle1_flops(dcfg, lengths)
+                        flops += objective.eagle1_flops(dcfg, lengths, batch.loss_mask.sum())
                         args += (np.int32(index),)  # the index draws the noise
                     else:
                         flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths, batch.loss_mask.sum())
