@@ -105,7 +105,8 @@ def loss_positions(loss_mask: np.ndarray, groups: int = 1, parts: int = 4) -> np
     """`loss_at` of a batch (host side) [G, K]: the batch's sequences in `groups` groups of B / G (a data-parallel
     shard's each), and each group's loss-mask positions r * T + t (r its r-th sequence) in order, padded with
     B / G * T (none) to the largest group's count rounded up to a multiple of B / G * T / `parts` (so a batch
-    shape compiles at most `parts` programs). Only these positions pay for the draft's readout in `ttt_loss`."""
+    shape compiles at most `parts` programs). Only these positions pay for the readout in `ttt_loss` and
+    `eagle1_loss`."""
     b, t = loss_mask.shape
     flat = np.asarray(loss_mask).reshape(groups, b // groups * t)
     quantum = -(-flat.shape[1] // parts)
