@@ -72,13 +72,13 @@ def _main(argv: Sequence[str] | None) -> int:
     if baseline is not None and not (baseline / "train" / "eagle3.py").is_file():
         raise EagleError(f"--baseline {a.baseline}: not a checkout of this project (git worktree add DIR REV)")
     base = ["--target", a.target, "--data", *a.data, "--steps", str(a.steps), "--log-every", str(a.log_every), *rest]
+    offline = [*base, "--features", a.features]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(-1, a.rounds):
             runs = {}
             for code, prefix in ((baseline, "baseline_"), (None, "")) if baseline else ((None, ""),):
                 runs[prefix + "online"] = one_run(base, Path(tmp) / f"{prefix}online{r}", code)
-                offline = [*base, "--features", a.features]
                 runs[prefix + "offline"] = one_run(offline, Path(tmp) / f"{prefix}offline{r}", code)
             if r < 0:
                 continue  # the warm-up round

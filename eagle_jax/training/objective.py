@@ -115,6 +115,11 @@ def loss_positions(loss_mask: np.ndarray, groups: int = 1, parts: int = 4) -> np
     return np.stack([np.pad(a, (0, k - len(a)), constant_values=flat.shape[1]) for a in at]).astype(np.int32)
 
 
+def _everywhere(b: int, t: int) -> jax.Array:
+    """`loss_at` reading out every position of a [B, T] batch, in one group: [1, B * T]."""
+    return jnp.arange(b * t)[None]
+
+
 def _take(x: jax.Array, at: jax.Array) -> jax.Array:
     """x [B, T, ...] at the group positions at [G, K] (`loss_positions`; out of range: zero) -> [G, K, ...]."""
     g = at.shape[0]
@@ -169,8 +174,8 @@ def position_masks(
 ) -> jax.Array:
     """position_mask_j [steps, B, T] f32: t2d[argmax shift(target_logits, j+1)] * shift(loss_mask, j)."""
     b, t = loss_mask.shape
-    every = jnp.arange(b * t)[None]  # [1, B * T]
-    _, _, in_vocab = _step_targets(draft_params, dcfg, targets_from_logits(draft_params, dcfg, target_logits, every))
+    targets = targets_from_logits(draft_params, dcfg, target_logits, _everywhere(b, t))
+    _, _, in_vocab = _step_targets(draft_params, dcfg, targets)
     gate = _pad_end(in_vocab.reshape(b, t) * jnp.asarray(loss_mask, jnp.float32), steps, 0.0)  # [B, T + S]
     return jnp.stack([gate[:, j : j + t] for j in range(steps)])  # [S, B, T]
 
@@ -252,7 +257,7 @@ def ttt_loss(
     b, t = input_ids.shape
     p = draft_params["layers"][0]
     embed = jax.lax.stop_gradient(jnp.asarray(embed))
-    loss_at = jnp.arange(b * t)[None] if loss_at is None else jnp.asarray(loss_at)  # [G, K]
+    loss_at = _everywhere(b, t) if loss_at is None else jnp.asarray(loss_at)  # [G, K]
     if not isinstance(targets, Targets):
         targets = targets_from_logits(draft_params, dcfg, targets, loss_at)
     probs, target_argmax, in_vocab = _step_targets(draft_params, dcfg, targets)  # [G, K, Vd], [G, K], [G, K]
@@ -395,7 +400,7 @@ def eagle1_loss(
     n = jnp.sum(m) + 1e-5
     diff = predict.astype(jnp.float32) - target.astype(jnp.float32)
     vloss = jnp.sum(jnp.mean(m * smooth_l1(diff), axis=-1)) / n
-    loss_at = jnp.arange(b * t)[None] if loss_at is None else jnp.asarray(loss_at)  # [G, K]
+    loss_at = _everywhere(b, t) if loss_at is None else jnp.asarray(loss_at)  # [G, K]
     out_logits = draft.logits(draft_params, dcfg, _take(predict, loss_at), lm_head)  # [G, K, V] f32
     target_logits = jax.lax.stop_gradient(draft.logits(draft_params, dcfg, _take(target, loss_at), lm_head))
     m_at = _take(m, loss_at)  # [G, K, 1]
