@@ -9,9 +9,10 @@
 `python -m train.eagle1` and `train.eagle3` run side by side (`--common` flags plus their own), each pinned to a
 core of its own by `taskset` when there are two, into OUT/eagle1 and OUT/eagle3. Each run's CPU time (its
 process's user and system time, all threads) is summed across restarts in OUT/race.json; when it reaches
---cpu-hours the run gets SIGINT and stops after its step with a checkpoint and its head exported. Rerunning the
-same command continues: unfinished runs resume, a raised --cpu-hours trains further, finished measurements are
-kept. Ctrl-C (or SIGTERM) stops both runs after their steps, with checkpoints, and then this command.
+--cpu-hours the run gets SIGTERM (not SIGINT, which a background job's children ignore) and stops after its
+step with a checkpoint and its head exported. Rerunning the same command continues: unfinished runs resume, a
+raised --cpu-hours trains further, finished measurements are kept. Ctrl-C (or SIGTERM) stops both runs after
+their steps, with checkpoints, and then this command.
 
 Then each head is measured with `python -m infer.benchmark` on --questions (both cores, one after the other):
 with the same chain (--chain TOTAL/DEPTH/TOP_K) and with `--auto-budget` (the envelope it measures fastest
@@ -86,7 +87,7 @@ def train(a, out: Path, ledger: dict) -> None:
 
 
 def poll(a, out: Path, ledger: dict, running: dict, budget: float, stop: list[int]) -> None:
-    """Until every run has exited: read their CPU time, send SIGINT to those past the budget (or to all, once a
+    """Until every run has exited: read their CPU time, send SIGTERM to those past the budget (or to all, once a
     signal came here or a run failed), keep the ledger."""
     failed = []
     while running:
@@ -109,7 +110,7 @@ def poll(a, out: Path, ledger: dict, running: dict, budget: float, stop: list[in
                 entry["finished"] = code == 0
                 print(f"{kind}: stopped at step {step}, {entry['cpu_s'] / 3600:.2f} CPU hours", flush=True)
             elif (entry["cpu_s"] >= budget or stop) and not r["stopping"]:
-                r["proc"].send_signal(signal.SIGINT)
+                r["proc"].send_signal(signal.SIGTERM)
                 r["stopping"] = True
         files.write_json_atomic(out / "race.json", ledger)
     if failed:
