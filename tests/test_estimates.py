@@ -176,3 +176,45 @@ def test_head_race_accounting_by_hand():
     assert head_race.chain_flags("5/4/1") == ["--total-tokens", "5", "--depth", "4", "--tree-top-k", "1"]
     with pytest.raises(EagleError, match="--chain"):
         head_race.chain_flags("5/4")
+
+
+# a training loop's stop as the trainers have it: after the step under way, exit code 130
+STEPPING_RUN = (
+    "import sys, time\n"
+    "from eagle_jax.training import trainer\n"
+    "with trainer.stop_between_steps() as stopped:\n"
+    "    print('ready', flush=True)\n"
+    "    while not stopped():\n"
+    "        time.sleep(0.05)\n"
+    "sys.exit(130)\n"
+)
+
+
+def test_head_race_stops_a_run_started_from_a_background_job(tmp_path):
+    """A run past its budget stops after its step even when it inherited SIGINT ignored (a background job's
+    children do): the race must not rely on SIGINT. A run that does not stop is killed after 60 s and fails."""
+    import argparse
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from test_train import ROOT
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STEPPING_RUN],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    watchdog = threading.Timer(60, proc.kill)
+    watchdog.start()
+    try:
+        assert proc.stdout.readline() == "ready\n"  # the child's handlers are in place
+        ledger = {"eagle3": {"cpu_s": 0.0, "trace": [], "finished": False}}
+        running = {"eagle3": {"proc": proc, "base": 0.0, "stopping": False, "log": (tmp_path / "log").open("a")}}
+        head_race.poll(argparse.Namespace(poll=0.1), tmp_path, ledger, running, 0.0, [])
+    finally:
+        watchdog.cancel()
+    assert proc.returncode == 130 and not ledger["eagle3"]["finished"]
