@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,12 +112,35 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def compiler_backend(slices: Sequence[str], cpu: bool) -> bool:
+    """True for libtpu's TPU compiler (installed, and not --cpu); else XLA:CPU gets a virtual device per chip of
+    the largest slice, never fewer than XLA_FLAGS forces (other compiles in this process may need those)."""
+    try:
+        import libtpu  # noqa: F401
+
+        use_tpu = not cpu
+    except ImportError:
+        use_tpu = False
+    jax.config.update("jax_platforms", "cpu")
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
+    wanted = max(SLICES[s][1] for s in slices)
+    if not use_tpu and wanted > (int(forced[1]) if forced else 1):
+        with contextlib.suppress(RuntimeError):  # jax started already: devices_for says if too few
+            jax.config.update("jax_num_cpu_devices", wanted)
+    return use_tpu
+
+
 def devices_for(slice_: str, use_tpu: bool) -> tuple[list, str]:
     kind, chips, topology, per_host = SLICES[slice_]
     if use_tpu:
         tpu = memory.Tpu(slice_, chips, HBM_GIB[kind], slice_, topology, per_host)
         devices = memory.tpu_devices(tpu)
         return devices, f"XLA:TPU ({devices[0].device_kind}, libtpu, no hardware)"
+    if len(jax.devices("cpu")) < chips:
+        raise EagleError(
+            f"{slice_} needs {chips} virtual CPU devices, this process has {len(jax.devices('cpu'))}: run it in a "
+            f"fresh process or set XLA_FLAGS=--xla_force_host_platform_device_count={chips}"
+        )
     return jax.devices("cpu")[:chips], "XLA:CPU (stand-in for the TPU compiler)"
 
 
@@ -133,16 +158,7 @@ def _main(argv: Sequence[str] | None) -> int:
     a = p.parse_args(argv)
     setups = [parse_setup(s) for s in a.setup or DEFAULT_SETUPS]
     trees = parse_envelopes(a.trees)
-    try:
-        import libtpu  # noqa: F401
-
-        use_tpu = not a.cpu
-    except ImportError:
-        use_tpu = False
-    jax.config.update("jax_platforms", "cpu")
-    if not use_tpu:
-        with contextlib.suppress(RuntimeError):  # jax started already
-            jax.config.update("jax_num_cpu_devices", max(SLICES[s][1] for _, s in setups))
+    use_tpu = compiler_backend([s for _, s in setups], a.cpu)
     report = {
         "what": "estimate, not a measurement: roofline of compiler cost counts (per chip), no TPU used",
         "batch": a.batch,

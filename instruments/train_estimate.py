@@ -20,12 +20,10 @@ left out.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
 from tqdm import tqdm
 
 from cli import command, plan
@@ -34,7 +32,7 @@ from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 from eagle_jax.parallel import memory, sharding
 from eagle_jax.training import step
-from instruments.tpu_estimate import HBM_GIB, SLICES, devices_for, parse_setup
+from instruments.tpu_estimate import HBM_GIB, SLICES, compiler_backend, devices_for, parse_setup
 
 DEFAULT_SETUPS = tuple(
     f"{m}@{s}" for m in ("llama3.1-8b-eagle3", "llama3.3-70b-eagle3") for s in ("v5e-8", "v6e-8", "v5p-8")
@@ -110,16 +108,7 @@ def _main(argv: Sequence[str] | None) -> int:
     a = p.parse_args(argv)
     setups = [parse_setup(s) for s in a.setup or DEFAULT_SETUPS]
     batches = [int(b) for b in a.batches.split(",")]
-    try:
-        import libtpu  # noqa: F401
-
-        use_tpu = not a.cpu
-    except ImportError:
-        use_tpu = False
-    jax.config.update("jax_platforms", "cpu")
-    if not use_tpu:
-        with contextlib.suppress(RuntimeError):
-            jax.config.update("jax_num_cpu_devices", max(SLICES[s][1] for _, s in setups))
+    use_tpu = compiler_backend([s for _, s in setups], a.cpu)
     modes = a.modes.split(",")
     if not set(modes) <= set(MODES):
         raise EagleError(f"--modes {a.modes}: choose from {', '.join(MODES)}")
