@@ -16,9 +16,10 @@ their steps, with checkpoints, and then this command.
 
 Then each head is measured with `python -m infer.benchmark` on --questions (both cores, one after the other):
 with the same chain (--chain TOTAL/DEPTH/TOP_K) and with `--auto-budget` (the envelope it measures fastest
-here, plain decoding included). Written: --json (the runs' CPU hours, steps, tokens seen, last training
-accuracies, both measurements of each head), a .md table and a .png (first-token accuracy on the training
-batches and the engine tau on --tau-prompts, if the runs measure it, against CPU hours; held-out tau).
+here, plain decoding included; --budget passes it flags, e.g. fewer candidates), reporting also the fastest
+envelope that drafts with the head in its calibration. Written: --json (the runs' CPU hours, steps, tokens
+seen, last training accuracies, both measurements of each head), a .md table and a .png (first-token accuracy on
+the training batches and the engine tau on --tau-prompts, if the runs measure it, against CPU hours; held-out tau).
 """
 
 from __future__ import annotations
@@ -128,9 +129,24 @@ def measure(a, out: Path, kind: str, name: str, extra: list[str]) -> dict:
         if done.returncode != 0:
             raise EagleError(f"infer.benchmark failed for {kind}: {done.stderr.strip()[-400:]}")
     b = files.read_json(path)
-    envelope = b["tree"] and f"{b['tree']['total_tokens']}/{b['tree']['depth']}/{b['tree']['top_k']}"
     keys = ("tau", "speedup", "c", "tokens_per_s_spec", "tokens_per_s_plain", "mismatches", "n_alpha")
-    return {"envelope": envelope or "plain", **{k: b[k] for k in keys}}
+    result = {"envelope": envelope_name(b["tree"]), **{k: b[k] for k in keys}}
+    if b.get("auto_budget"):  # what its calibration timed, and the fastest envelope that drafts with the head
+        rows = [{**m, "tree": envelope_name(m["tree"])} for m in b["auto_budget"]["measured"][str(b["batch"])]]
+        plain = next(m["tokens_per_s"] for m in rows if m["tree"] == "plain")
+        best = max((m for m in rows if m["tree"][0].isdigit()), key=lambda m: m["tokens_per_s"], default=None)
+        result |= {"calibration": rows, "best_head": best and {**best, "vs_plain": best["tokens_per_s"] / plain}}
+    return result
+
+
+def envelope_name(tree: dict | None) -> str:
+    """TOTAL/DEPTH/TOP_K (+ctxK with context candidates), ctxK for context candidates alone, or plain."""
+    if tree is None:
+        return "plain"
+    if "total_tokens" not in tree:
+        return f"ctx{tree['context']}"
+    name = f"{tree['total_tokens']}/{tree['depth']}/{tree['top_k']}"
+    return name + (f"+ctx{tree['context']}" if tree.get("context") else "")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -186,7 +202,7 @@ def report_of(a, out: Path, ledger: dict) -> dict:
             "accuracy": [[hours_at(entry["trace"], r["step"]), r["acc"][0]] for r in rows],
             "tau": [[hours_at(entry["trace"], t["step"]), t["tau"]] for t in taus],
             "chain": measure(a, out, kind, "chain", chain_flags(a.chain)),
-            "budget": measure(a, out, kind, "budget", ["--auto-budget"]),
+            "budget": measure(a, out, kind, "budget", ["--auto-budget", *shlex.split(a.budget)]),
         }
     return runs
 
@@ -195,16 +211,25 @@ def table(report: dict) -> str:
     lines = [
         f"`{report['command']}`",
         "",
-        "| head | CPU hours | steps | last train acc | chain tau | chain speedup | best envelope | tau | c | speedup |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| head | CPU hours | steps | last train acc | chain tau | chain c | chain speedup | budget's envelope | tau "
+        "| c | speedup | fastest head envelope (calibration) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, r in report["runs"].items():
         ch, bu = r["chain"], r["budget"]
         acc = "/".join(f"{x:.2f}" for x in r["last_accuracy"] or [])
+        best = bu.get("best_head")
+        head = best and f"{best['tree']}: tau {best['tau']:.2f}, {best['vs_plain']:.2f}x plain"
         lines.append(
-            f"| {kind} | {r['cpu_hours']:.2f} | {r['steps']} | {acc} | {ch['tau']:.2f} | {ch['speedup']:.2f}x | "
-            f"{bu['envelope']} | {bu['tau']:.2f} | {bu['c']:.2f} | {bu['speedup']:.2f}x |"
+            f"| {kind} | {r['cpu_hours']:.2f} | {r['steps']} | {acc} | {ch['tau']:.2f} | {ch['c']:.2f} | "
+            f"{ch['speedup']:.2f}x | {bu['envelope']} | {bu['tau']:.2f} | {bu['c']:.2f} | {bu['speedup']:.2f}x | "
+            f"{head or '-'} |"
         )
+    for kind, r in report["runs"].items():
+        if r["budget"].get("calibration"):
+            rows = r["budget"]["calibration"]
+            lines += ["", f"{kind}, --auto-budget calibration:", "", "| envelope | tau | tokens/s |", "|---|---|---|"]
+            lines += [f"| {m['tree']} | {m['tau']:.2f} | {m['tokens_per_s']:.1f} |" for m in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -221,6 +246,11 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--chain", default="5/4/1", help="TOTAL/DEPTH/TOP_K both heads are measured with")
+    p.add_argument(
+        "--budget",
+        default="",
+        help='flags the --auto-budget benchmark gets, e.g. "--budget-candidates 3/2/1,ctx7 --calibration-prompts 2"',
+    )
     p.add_argument("--poll", type=float, default=10.0, help="seconds between CPU-time readings")
     p.add_argument("--json", required=True)
     a = p.parse_args(argv)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -178,6 +179,37 @@ def test_head_race_accounting_by_hand():
         head_race.chain_flags("5/4")
 
 
+def test_head_race_reads_the_budget_calibration(tmp_path):
+    """The --auto-budget benchmark's calibration: envelopes named as on the command line, and the fastest one that
+    drafts with the head (not plain decoding, not context candidates alone) against plain decoding."""
+    (tmp_path / "eagle3").mkdir()
+    (tmp_path / "eagle3" / "metrics.jsonl").write_text('{"step": 7}\n')
+    chain = {"total_tokens": 5, "depth": 4, "top_k": 1}
+    measured = [
+        {"tree": None, "tau": 1.0, "tokens_per_s": 50.0},
+        {"tree": chain, "tau": 1.4, "tokens_per_s": 40.0},
+        {"tree": {**chain, "context": 7, "min_match": 2}, "tau": 1.6, "tokens_per_s": 45.0},
+        {"tree": {"context": 7, "min_match": 2}, "tau": 1.3, "tokens_per_s": 60.0},
+    ]
+    keys = ("tau", "speedup", "c", "tokens_per_s_spec", "tokens_per_s_plain", "mismatches", "n_alpha")
+    bench = {
+        "tree": measured[3]["tree"],
+        "batch": 1,
+        "auto_budget": {"measured": {"1": measured}},
+        **dict.fromkeys(keys, 1.0),
+    }
+    (tmp_path / "eagle3" / "bench_budget_step7.json").write_text(json.dumps(bench))
+    r = head_race.measure(argparse.Namespace(), tmp_path, "eagle3", "budget", [])
+    assert r["envelope"] == "ctx7"
+    assert [m["tree"] for m in r["calibration"]] == ["plain", "5/4/1", "5/4/1+ctx7", "ctx7"]
+    assert r["best_head"]["tree"] == "5/4/1+ctx7" and r["best_head"]["vs_plain"] == pytest.approx(0.9)
+    report = {
+        "command": "c",
+        "runs": {"eagle3": {"cpu_hours": 1.0, "steps": 7, "last_accuracy": [0.4], "chain": r, "budget": r}},
+    }
+    assert "5/4/1+ctx7: tau 1.60, 0.90x plain" in head_race.table(report)
+
+
 # a training loop's stop as the trainers have it: after the step under way, exit code 130
 STEPPING_RUN = (
     "import sys, time\n"
@@ -193,7 +225,6 @@ STEPPING_RUN = (
 def test_head_race_stops_a_run_started_from_a_background_job(tmp_path):
     """A run past its budget stops after its step even when it inherited SIGINT ignored (a background job's
     children do): the race must not rely on SIGINT. A run that does not stop is killed after 60 s and fails."""
-    import argparse
     import signal
     import subprocess
     import sys
