@@ -315,6 +315,7 @@ def test_sampling_lossless():
         n_tok,
         speculative.DecodeConfig(tcfg, dcfg, DynamicTree(8, 3, 3), sc),
         seed=5,
+        capacity=32,  # the prompt's bucket and a tree (the default, 128, would attend over unused slots)
     )
     assert sum(a > 0 for row in res.accept_lengths for a in row) > n_rows // 4  # drafts do get accepted
     counts = _joint_counts(res.tokens, vocab, n_tok)
@@ -407,6 +408,8 @@ SAMPLING_CASES = {
 }
 PROMPTS = [[1, 4, 2], [7, 3, 9, 9, 1, 5, 2], [2, 11, 6, 8, 3]]  # a batch of different prompt lengths
 ROWS, NEW = 2400, 16
+CAPACITY = 48  # cache slots: a prompt bucket, NEW tokens and a tree (the default rounds up to 128, and attending
+# over the unused slots would be most of a cycle's time here)
 
 
 def _sampling_models(kind: str):
@@ -429,7 +432,7 @@ def _streamed_sample(models, tree, sc, rows: int, seed: int):
     tcfg, tparams, dcfg, dparams = models
     tokens, cycles = [[] for _ in range(rows)], []
     for new, tr, _ in speculative.stream(
-        tparams, dparams, _prompts(rows), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed=seed
+        tparams, dparams, _prompts(rows), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed, CAPACITY
     ):
         cycles.append((np.asarray(tr.tokens), np.asarray(tr.parents), np.array([len(t) for t in tokens])))
         for row, toks in zip(tokens, new):
@@ -501,7 +504,7 @@ def test_seeds_reproduce_samples():
 
     def looped(seed: int) -> list[list[int]]:
         return speculative.generate(
-            tparams, dparams, _prompts(6), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed=seed
+            tparams, dparams, _prompts(6), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed, CAPACITY
         ).tokens
 
     assert looped(21) == looped(21) == _streamed_sample(models, tree, sc, 6, 21)[0].tolist()
