@@ -432,7 +432,13 @@ def _streamed_sample(models, tree, sc, rows: int, seed: int):
     tcfg, tparams, dcfg, dparams = models
     tokens, cycles = [[] for _ in range(rows)], []
     for new, tr, _ in speculative.stream(
-        tparams, dparams, _prompts(rows), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed, CAPACITY
+        tparams,
+        dparams,
+        _prompts(rows),
+        NEW,
+        speculative.DecodeConfig(tcfg, dcfg, tree, sc),
+        seed=seed,
+        capacity=CAPACITY,
     ):
         cycles.append((np.asarray(tr.tokens), np.asarray(tr.parents), np.array([len(t) for t in tokens])))
         for row, toks in zip(tokens, new):
@@ -504,7 +510,13 @@ def test_seeds_reproduce_samples():
 
     def looped(seed: int) -> list[list[int]]:
         return speculative.generate(
-            tparams, dparams, _prompts(6), NEW, speculative.DecodeConfig(tcfg, dcfg, tree, sc), seed, CAPACITY
+            tparams,
+            dparams,
+            _prompts(6),
+            NEW,
+            speculative.DecodeConfig(tcfg, dcfg, tree, sc),
+            seed=seed,
+            capacity=CAPACITY,
         ).tokens
 
     assert looped(21) == looped(21) == _streamed_sample(models, tree, sc, 6, 21)[0].tolist()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import threading
 
 import pytest
 
@@ -225,10 +228,6 @@ STEPPING_RUN = (
 def test_head_race_stops_a_run_started_from_a_background_job(tmp_path):
     """A run past its budget stops after its step even when it inherited SIGINT ignored (a background job's
     children do): the race must not rely on SIGINT. A run that does not stop is killed after 60 s and fails."""
-    import subprocess
-    import sys
-    import threading
-
     from test_train import ROOT
 
     # the shell ignores SIGINT and execs Python, which inherits that (no preexec_fn: forking a process with
