@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ import jax.numpy as jnp  # noqa: E402
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from eagle_jax.errors import EagleError  # noqa: E402
-from eagle_jax.io import hf  # noqa: E402
+from eagle_jax.io import hf, loading  # noqa: E402
 from eagle_jax.io.hf import load_target_config  # noqa: E402
 from eagle_jax.models import target  # noqa: E402
 from eagle_jax.models.config import target_config_from_hf  # noqa: E402
@@ -264,6 +266,27 @@ def test_truncated_bin(llama, tmp_path):
     with open(f, "r+b") as fh:
         fh.truncate(f.stat().st_size // 2)
     _raises_one_line(r"pytorch_model\.bin: cannot read torch checkpoint", hf.load_target, path)
+
+
+def test_a_generic_fast_tokenizer_loads_as_auto_tokenizer_does_without_importing_torch(golden_dir, tmp_path):
+    from convdata import templated_tokenizer_dir
+
+    folder = templated_tokenizer_dir(golden_dir, tmp_path / "tok")
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] in loading.GENERIC_TOKENIZERS
+    code = "import sys; from eagle_jax.io import loading; loading.load_tokenizer(sys.argv[1]); "
+    code += "print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code, folder], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+    ours, auto = loading.load_tokenizer(folder), transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert type(ours) is type(auto)
+    msgs = [{"role": "user", "content": "a b c"}, {"role": "assistant", "content": "d e"}]
+    text = auto.apply_chat_template(msgs, tokenize=False)
+    assert ours.apply_chat_template(msgs, tokenize=False) == text
+    ids = auto(text).input_ids
+    assert ours(text).input_ids == ids and ours.decode(ids) == auto.decode(ids)
+    specials = lambda tok: (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id)  # noqa: E731
+    assert specials(ours) == specials(auto)
 
 
 def test_missing_directory(tmp_path):

@@ -11,6 +11,7 @@ axes (`parallel.sharding`), a store restoring each device's shards directly.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,9 @@ from eagle_jax.models.config import DraftConfig, TargetConfig, target_config_fro
 from eagle_jax.parallel import sharding
 
 PyTree = Any
+# `tokenizer_class` values for which AutoTokenizer builds the generic fast tokenizer from tokenizer.json: loaded
+# as that class directly, without transformers' model registry (and torch, which it imports: seconds of a start)
+GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -117,15 +121,29 @@ def load_tokenizer(path: str | Path, chat_template: str | None = None):
         folder = store.tokenizer_dir(path) if store.is_store(path) else Path(path)
         if folder is None:
             raise EagleError(f"{path}: the store holds no tokenizer")
-        from transformers import AutoTokenizer
-
         try:
-            tok = AutoTokenizer.from_pretrained(str(folder))
+            tok = _tokenizer_class(Path(folder)).from_pretrained(str(folder))
         except (OSError, ValueError) as exc:
             raise EagleError(f"{folder}: cannot load a tokenizer ({str(exc).strip().splitlines()[0]})") from None
     if not tok.chat_template and chat_template is not None:
         tok.chat_template = chat_template
     return tok
+
+
+def _tokenizer_class(folder: Path):
+    """The class AutoTokenizer would load `folder` with, imported without the model registry when generic."""
+    config = folder / "tokenizer_config.json"
+    try:
+        name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        name = None
+    if name in GENERIC_TOKENIZERS and (folder / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
 
 
 def encode_chat(tok, messages: list[dict[str, str]], use_template: bool = True) -> list[int]:
