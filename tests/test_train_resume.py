@@ -34,32 +34,21 @@ def checkpoint_steps(out: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.is_dir() else []
 
 
-def test_kill_9_and_resume_gives_the_same_losses(target_dir, golden_target, env, tmp_path):
-    train = write_jsonl(
-        tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0)
-    )
-    # env: a shared compilation cache, the three processes compile once
-    args = [
-        "--target",
-        target_dir,
-        "--data",
-        train,
-        "--steps",
-        16,
-        *TINY,
-        "--grad-accum",
-        2,
-        "--save-every",
-        3,
-        "--keep",
-        2,
-        "--log-every",
-        1,
-    ]
+@pytest.fixture(scope="module")
+def uninterrupted(target_dir, golden_target, env, workdir) -> tuple[list, Path]:
+    """(args, run folder) of a run that the killed and the stopped runs (the same args, their own --out and
+    checkpoint flags, which change no loss) must end like."""
+    train = write_jsonl(workdir / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0))
+    args = ["--target", target_dir, "--data", train, "--steps", 16, *TINY, "--grad-accum", 2, "--log-every", 1]
+    done = run_module("train.eagle3", [*args, "--out", workdir / "uninterrupted", "--save-every", 1000], env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return args, workdir / "uninterrupted"
 
-    reference = run_module("train.eagle3", [*args, "--out", tmp_path / "ref"], env)
-    assert reference.returncode == 0, reference.stderr[-3000:]
 
+def test_kill_9_and_resume_gives_the_same_losses(uninterrupted, env, tmp_path):
+    # env: a shared compilation cache, the processes compile once
+    args, ref = uninterrupted
+    args = [*args, "--save-every", 3, "--keep", 2]
     out = tmp_path / "killed"
     proc = subprocess.Popen(
         [sys.executable, "-m", "train.eagle3", *map(str, args), "--out", str(out)],
@@ -82,14 +71,14 @@ def test_kill_9_and_resume_gives_the_same_losses(target_dir, golden_target, env,
     resumed = run_module("train.eagle3", [*args, "--out", out], env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming {out} at step" in resumed.stderr
-    ref_rows, rows = read_jsonl(tmp_path / "ref" / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
+    ref_rows, rows = read_jsonl(ref / "metrics.jsonl"), read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 17))
     # exactly equal: same batches, restored parameters and optimiser state, same compiled step
     assert [(r["loss"], r["acc"], r["plosses"]) for r in rows] == [
         (r["loss"], r["acc"], r["plosses"]) for r in ref_rows
     ]
     assert checkpoint_steps(out) == [15, 16]  # --keep 2
-    ref_export = (tmp_path / "ref" / "export" / "model.safetensors").read_bytes()
+    ref_export = (ref / "export" / "model.safetensors").read_bytes()
     assert (out / "export" / "model.safetensors").read_bytes() == ref_export
     assert json.loads((out / "run.json").read_text())["steps"] == 16
 
@@ -102,13 +91,11 @@ CTRL_C_LIKE_A_TERMINAL = (
 )
 
 
-def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(target_dir, golden_target, env, tmp_path):
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(uninterrupted, env, tmp_path):
     """The first SIGINT ends the step under way, saves it (no --save-every multiple needed) and
     exports the head, exit code 130; the same command then ends where an uninterrupted run ends."""
-    train = write_jsonl(
-        tmp_path / "train.jsonl", chain_conversations(next_token_table(*golden_target), 128, 40, seed=0)
-    )
-    args = ["--target", target_dir, "--data", train, "--steps", 30, *TINY, "--save-every", 1000, "--log-every", 1]
+    args, ref = uninterrupted
+    args = [*args, "--save-every", 1000]
     out = tmp_path / "stopped"
     proc = subprocess.Popen(
         [sys.executable, "-c", CTRL_C_LIKE_A_TERMINAL, *map(str, args), "--out", str(out)],
@@ -131,15 +118,13 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(target_dir,
     stderr = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130, stderr[-3000:]
     stopped_at = len(read_jsonl(metrics))
-    assert 2 <= stopped_at < 30 and f"stopped at step {stopped_at} of 30;" in stderr, stderr[-3000:]
+    assert 2 <= stopped_at < 16 and f"stopped at step {stopped_at} of 16;" in stderr, stderr[-3000:]
     assert checkpoint_steps(out) == [stopped_at]
     assert (out / "export" / "model.safetensors").is_file() and (out / "head").is_dir()
 
     resumed = run_module("train.eagle3", [*args, "--out", out], env)
     assert resumed.returncode == 0 and f"resuming {out} at step {stopped_at}" in resumed.stderr, resumed.stderr[-3000:]
-    reference = run_module("train.eagle3", [*args, "--out", tmp_path / "ref"], env)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    rows, ref_rows = read_jsonl(metrics), read_jsonl(tmp_path / "ref" / "metrics.jsonl")
+    rows, ref_rows = read_jsonl(metrics), read_jsonl(ref / "metrics.jsonl")
     assert [(r["step"], r["loss"], r["acc"]) for r in rows] == [(r["step"], r["loss"], r["acc"]) for r in ref_rows]
 
 
