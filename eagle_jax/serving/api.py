@@ -307,8 +307,7 @@ class Api:
 
         def request(i: int, prompt: list[int]) -> batching.Request:
             def put(kind: str, value) -> None:
-                with contextlib.suppress(RuntimeError):  # the server's loop closed: nobody waits for the row
-                    loop.call_soon_threadsafe(events.put_nowait, (i, kind, value))
+                loop.call_soon_threadsafe(events.put_nowait, (i, kind, value))
 
             return batching.Request(
                 prompt,
