@@ -41,7 +41,7 @@ class Curve:
 def parse_curve(spec: str) -> Curve:
     """NAME=FILE[@OFFSET] -> Curve."""
     name, sep, rest = spec.partition("=")
-    path, at, offset = rest.rpartition("@") if "@" in rest else (rest, "", "0")
+    path, _, offset = rest.rpartition("@") if "@" in rest else (rest, "", "0")
     if not sep or not name or not path or not offset.isdigit():
         raise EagleError(f"{spec!r}: give NAME=FILE or NAME=FILE@OFFSET (OFFSET: tokens seen before the run)", "curve")
     return Curve(name, Path(path), int(offset))
@@ -72,7 +72,14 @@ def fit(points: Sequence[tuple[int, float]], goal: float) -> dict:
     y = np.array([tau for _, tau in points])
     b, a = np.polyfit(x, y, 1)
     at_goal = 2 ** ((goal - a) / b) if b > 0 else None
-    return {"a": float(a), "per_doubling": float(b), "points": len(points), "tokens_at_goal": at_goal}
+    first, last = min(t for t, _ in points), max(t for t, _ in points)
+    return {
+        "a": float(a),
+        "per_doubling": float(b),
+        "points": len(points),
+        "tokens": [first, last],
+        "tokens_at_goal": at_goal,
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -85,9 +92,7 @@ def plot(report: dict, path: Path) -> None:
     for name, points in report["curves"].items():
         ax.plot(*zip(*[(t, tau) for t, tau in points if t > 0]), "o-", label=name)
     f, goal = report["fit"], report["goal"]
-    lo = report["fit_from"]
-    hi = f["tokens_at_goal"] or max(t for pts in report["curves"].values() for t, _ in pts)
-    xs = np.geomspace(lo, hi, 50)
+    xs = np.geomspace(f["tokens"][0], f["tokens_at_goal"] or f["tokens"][1], 50)
     ax.plot(xs, f["a"] + f["per_doubling"] * np.log2(xs), "k--", label=f"fit: +{f['per_doubling']:.3f} per doubling")
     ax.axhline(goal, color="grey", lw=0.8)
     ax.set(xscale="log", xlabel="training tokens seen", ylabel="tau", title=PNG_TITLE)

@@ -32,6 +32,9 @@ def test_the_fit_recovers_a_known_law_and_the_tokens_at_the_goal(tmp_path, capsy
     assert out.with_suffix(".png").is_file()
     assert "tau 1.5: 26M tokens, 3.0 CPU days at 100 tokens/s" in capsys.readouterr().out
     assert tau_scaling.main([*args, "--json", str(out)]) == 0  # its own outputs are rewritten
+    # every point fitted (no --fit-from): the line and the plot start at the first point past zero tokens
+    assert tau_scaling.main(["--curve", f"scratch={scratch}", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["fit"]["tokens"] == [100_000, 400_000]
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ import optax
 from tqdm import tqdm
 
 from eagle_jax.errors import EagleError
-from eagle_jax.io import files, hf
+from eagle_jax.io import files, hf, loading
 from eagle_jax.models import target
 from eagle_jax.models.config import target_config_from_hf
 from eagle_jax.models.params import init_params, param_count
@@ -167,9 +167,7 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
     `bench_steps`, only time that many steps on a small slice of the data and return the timing."""
     if pc.minutes is None and pc.steps is None and not bench_steps:
         raise EagleError("give a time budget (minutes) or a step budget (steps)")
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(pc.tokenizer)
+    tok = loading.load_tokenizer(pc.tokenizer)
     config = llama_config(len(tok), pc.hidden, pc.layers, pc.heads, pc.kv_heads, pc.intermediate, tok)
     cfg = target_config_from_hf(config)
     specs = target.param_specs(cfg)
