@@ -13,7 +13,8 @@ from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.models.config import eagle3_head_like
 from eagle_jax.parallel import sharding
-from eagle_jax.training.trainer import RunConfig, RunMismatch, train
+from eagle_jax.training.loop import RunMismatch
+from eagle_jax.training.trainer import RunConfig, train
 
 LR = {"eagle3": 5e-5, "eagle1": 3e-5}  # the official recipes' peak learning rates
 

@@ -216,8 +216,8 @@ def test_head_race_reads_the_budget_calibration(tmp_path):
 # a training loop's stop as the trainers have it: after the step under way, exit code 130
 STEPPING_RUN = (
     "import sys, time\n"
-    "from eagle_jax.training import trainer\n"
-    "with trainer.stop_between_steps() as stopped:\n"
+    "from eagle_jax.training import loop\n"
+    "with loop.stop_between_steps() as stopped:\n"
     "    print('ready', flush=True)\n"
     "    while not stopped():\n"
     "        time.sleep(0.05)\n"

@@ -18,7 +18,7 @@ from tiny import plain_generate
 from eagle_jax.decoding import speculative
 from eagle_jax.decoding.tree import parse_envelopes
 from eagle_jax.io import official
-from eagle_jax.training import features, objective, step, trainer
+from eagle_jax.training import features, loop, objective, step, trainer
 from train import eagle1, eagle3
 
 SETTINGS = dict(kind="eagle1", batch_size=8, max_length=64, lr=1e-2, warmup=2, log_every=1)
@@ -183,6 +183,6 @@ def test_a_run_from_before_the_head_kind_was_recorded_resumes_as_eagle3(target_d
     rc = eagle3.parse_args(["--target", str(target_dir), "--data", str(conversations), "--out", str(tmp_path)])
     saved = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(rc))).items() if k not in ("kind", "noise")}
     (tmp_path / "run.json").write_text(json.dumps(saved))
-    trainer.check_resume(rc, tmp_path)
-    with pytest.raises(trainer.RunMismatch, match="kind='eagle3' \\(now 'eagle1'\\)"):
-        trainer.check_resume(dataclasses.replace(rc, kind="eagle1"), tmp_path)
+    loop.check_resume(rc, tmp_path, trainer.RESUME_KEYS)
+    with pytest.raises(loop.RunMismatch, match="kind='eagle3' \\(now 'eagle1'\\)"):
+        loop.check_resume(dataclasses.replace(rc, kind="eagle1"), tmp_path, trainer.RESUME_KEYS)

@@ -55,7 +55,7 @@ def two_steps(golden_target, examples, fixed_batch):
         opt = jax.jit(optimizer.init, out_shardings=sh.opt_state)(tr)
         tp = sharding.place(jax.tree.map(lambda x: x.astype(dtype), tparams), sh.target)
         vm = sharding.place({"d2t": d2t, "t2d": t2d}, sh.vocab_map)
-        batch = trainer.place_batch(fixed_batch, sh)
+        batch = trainer.place_batch(fixed_batch, sh, 0)
         metrics = []
         for _ in range(2):
             tr, opt, m = train_step(tr, opt, vm, tp, *batch)

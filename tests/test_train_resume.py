@@ -19,7 +19,7 @@ from convdata import (
 )
 from test_train import ROOT, TINY, cli_env, read_jsonl, run_module
 
-from eagle_jax.training import trainer
+from eagle_jax.training import loop
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,7 @@ def test_ctrl_c_stops_after_the_step_with_a_checkpoint_and_an_export(uninterrupt
 def test_a_second_signal_stops_at_once_and_handlers_come_back(sig):
     before = signal.signal(sig, signal.default_int_handler)  # as in a terminal, even when the suite runs in `cmd &`
     try:
-        with pytest.raises(KeyboardInterrupt), trainer.stop_between_steps() as stop_asked:
+        with pytest.raises(KeyboardInterrupt), loop.stop_between_steps() as stop_asked:
             assert not stop_asked()
             signal.raise_signal(sig)
             assert stop_asked()
@@ -147,7 +147,7 @@ def test_an_ignored_sigint_stays_ignored():
     """A background job (`cmd &`) ignores SIGINT: training there must not start stopping on it."""
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        with trainer.stop_between_steps() as stop_asked:
+        with loop.stop_between_steps() as stop_asked:
             signal.raise_signal(signal.SIGINT)
             assert not stop_asked()
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN

@@ -6,6 +6,10 @@
 With --minutes the schedule follows wall time; with --steps the step count (reproducible step for
 step). The result (config.json, generation_config.json, model.safetensors, the tokenizer) loads with
 `eagle_jax.io.loading.load_target` and with transformers' LlamaForCausalLM.
+
+The run folder (--run, default OUT.run beside OUT) holds run.json, ckpt/ (a checkpoint every --save-every
+minutes), metrics.jsonl and curves.png: re-running with the same flags resumes it, and Ctrl-C or SIGTERM stops
+after the step under way with a checkpoint and the model saved (exit code 130), as the heads' training does.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def _main(argv: Sequence[str] | None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="step budget (the schedule follows steps)")
     ap.add_argument("--max-conversations", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--save-every", type=float, default=5.0, help="minutes between saves")
+    ap.add_argument("--save-every", type=float, default=5.0, help="minutes between checkpoints")
+    ap.add_argument("--run", default=None, help="run folder: checkpoints, metrics, curves (default OUT.run)")
     ap.add_argument("--bench", type=int, default=0, help="time this many steps and exit")
     ap.add_argument(
         "--export-half",

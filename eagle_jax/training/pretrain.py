@@ -4,34 +4,49 @@ Conversations are rendered with the tokenizer's chat template, tokenized, concat
 sequences of `seq_len` tokens; the loss is next-token cross entropy over every token. The model is
 `models.target.forward`; the optimiser AdamW with warm-up and cosine decay. With `minutes` the schedule
 follows wall time (the run ends on time on a loaded machine); with `steps` it follows the step count
-(reproducible step for step). The result is an HF folder (`io.hf.save_target`) with the tokenizer.
+(reproducible step for step). The run goes through `loop.run` in its run folder (resume, Ctrl-C, metrics and
+curves as every training run); the result is an HF folder (`io.hf.save_target`) with the tokenizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
-import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm import tqdm
 
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, hf, loading
 from eagle_jax.models import target
-from eagle_jax.models.config import target_config_from_hf
+from eagle_jax.models.config import TargetConfig, target_config_from_hf
 from eagle_jax.models.params import init_params, param_count
-from eagle_jax.training import data
+from eagle_jax.training import data, loop
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Settings that fix the data order, model and schedule: a resumed run must repeat them.
+RESUME_KEYS = (
+    "tokenizer",
+    "data",
+    "hidden",
+    "layers",
+    "heads",
+    "kv_heads",
+    "intermediate",
+    "seq_len",
+    "batch",
+    "lr",
+    "warmup",
+    "minutes",
+    "max_conversations",
+    "seed",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +67,12 @@ class PretrainConfig:
     steps: int | None = None  # step budget (the schedule follows steps)
     max_conversations: int | None = None
     seed: int = 0
-    save_every: float = 5.0  # minutes between saves
+    save_every: float = 5.0  # minutes between checkpoints
+    run: str | None = None  # the run folder (run.json, ckpt/, metrics.jsonl, curves.png); default OUT.run beside OUT
+
+    @property
+    def run_dir(self) -> str:
+        return self.run or f"{self.out.rstrip('/')}.run"
 
 
 def llama_config(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, inter: int, tok) -> dict:
@@ -132,17 +152,30 @@ def sequences(pc: PretrainConfig, tok, bench_steps: int) -> np.ndarray:
     return seqs
 
 
-def batches(seqs: np.ndarray, batch: int, seed: int) -> Iterator[jax.Array]:
-    """Batches [batch, T + 1] of the sequences, each pass in a fresh random order."""
-    rng = np.random.default_rng(seed)
-    while True:
-        order = rng.permutation(len(seqs))
-        for cursor in range(0, len(order) - batch + 1, batch):
-            yield jnp.asarray(seqs[order[cursor : cursor + batch]])
+@dataclasses.dataclass
+class Feed:
+    """Micro-batch `index` [batch, T + 1] of the sequences: each pass over them in a fresh random order, the orders
+    drawn one after another from `seed` (a batch depends only on its index)."""
+
+    seqs: np.ndarray  # [N, T + 1]
+    batch: int
+    seed: int
+    _epoch: int = -1
+    _order: np.ndarray | None = None
+    _rng: np.random.Generator | None = None
+
+    def __call__(self, index: int) -> jax.Array:
+        epoch, k = divmod(index, len(self.seqs) // self.batch)
+        if epoch < self._epoch or self._rng is None:
+            self._epoch, self._rng = -1, np.random.default_rng(self.seed)
+        while self._epoch < epoch:
+            self._epoch, self._order = self._epoch + 1, self._rng.permutation(len(self.seqs))
+        return jnp.asarray(self.seqs[self._order[k * self.batch : (k + 1) * self.batch]])
 
 
 def train_step(cfg, opt: optax.GradientTransformation, seq_len: int):
-    """The jitted step (params, opt_state, batch [B, T + 1], lr) -> (params, opt_state, mean next-token loss)."""
+    """The jitted step (params, opt_state, batch [B, T + 1], lr) -> (params, opt_state, {loss: the mean next-token
+    loss, lr})."""
 
     def loss_fn(p, batch):  # batch [B, T + 1]
         x, y = batch[:, :-1], batch[:, 1:]
@@ -157,16 +190,92 @@ def train_step(cfg, opt: optax.GradientTransformation, seq_len: int):
         s[1].hyperparams["learning_rate"] = lr
         loss, grads = jax.value_and_grad(loss_fn)(p, batch)
         updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
+        return optax.apply_updates(p, updates), s, {"loss": loss, "lr": lr}
 
     return step
 
 
+def training_log(pc: PretrainConfig, parameters: int, rows: list[dict], steps: int, seconds: float) -> dict:
+    """training_log.json after `steps` updates in `seconds`, from the metrics lines (one every 10 steps): every
+    100 steps the mean loss of the last 10 lines, and the final loss likewise."""
+
+    def recent(upto: int) -> float:
+        return float(np.mean([r["loss"] for r in rows[max(0, upto - 9) : upto + 1]]))
+
+    history = [
+        {"step": r["step"], "seconds": round(r["seconds"], 1), "loss": round(recent(i), 4), "tokens": r["tokens"]}
+        for i, r in enumerate(rows)
+        if r["step"] % 100 == 0
+    ]
+    return {
+        "steps": steps,
+        "tokens": steps * pc.batch * pc.seq_len,
+        "parameters": parameters,
+        "args": dataclasses.asdict(pc),
+        "history": history,
+        "seconds": round(seconds, 1),
+        "final_loss": recent(len(rows) - 1) if rows else None,
+    }
+
+
+@dataclasses.dataclass
+class Pretraining:
+    """A pretraining run as `loop.run` drives it (a `loop.Job`): the next-token step on `feed`'s batches, the
+    HF folder (with the tokenizer and training_log.json) as its export."""
+
+    pc: PretrainConfig
+    run_dir: Path
+    cfg: TargetConfig
+    config: dict  # config.json
+    parameters: int
+    state: dict
+    step_fn: Callable
+    feed: Feed
+    curves: loop.Curves = loop.Curves("next-token loss")
+    log: dict | None = None  # training_log.json once exported
+
+    def step(self, state: dict, index: int, progress: float) -> loop.Micro:
+        params, opt_state, metrics = self.step_fn(
+            state["params"], state["opt_state"], self.feed(index), lr_at(self.pc, progress)
+        )
+        return loop.Micro({"params": params, "opt_state": opt_state}, metrics, self.pc.batch * self.pc.seq_len)
+
+    def record(self, done: int, micro: Sequence[dict], interval: loop.Interval) -> dict:
+        (m,) = micro
+        return {
+            "step": done,
+            "loss": float(m["loss"]),
+            "lr": float(m["lr"]),
+            "tokens": done * self.pc.batch * self.pc.seq_len,
+            "seconds": interval.trained,
+            "tokens_per_s": interval.tokens / interval.seconds,
+        }
+
+    def postfix(self, m: dict) -> str:
+        return f"loss {m['loss']:.3f} lr {m['lr']:.2e} {m['tokens_per_s']:.0f} tok/s"
+
+    def reached(self, done: int, state: dict, write: Callable[[str], None]) -> None:
+        pass
+
+    def export(self, state: dict, done: int, trained: float) -> str:
+        rows = loop.read_jsonl(self.run_dir / "metrics.jsonl")
+        self.log = training_log(self.pc, self.parameters, rows, done, trained)
+        extra = {**tokenizer_texts(self.pc.tokenizer), "training_log.json": json.dumps(self.log, indent=2) + "\n"}
+        hf.save_target(
+            self.pc.out, state["params"], self.cfg, self.config, generation_config(self.config), extra, overwrite=True
+        )
+        return f"saved {self.pc.out} after {done} steps"
+
+
 def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
-    """Train and save (every `save_every` minutes and at the end); returns the training log. With
+    """Train (or resume the run in `pc.run_dir`) and save the model; returns the training log. With
     `bench_steps`, only time that many steps on a small slice of the data and return the timing."""
     if pc.minutes is None and pc.steps is None and not bench_steps:
         raise EagleError("give a time budget (minutes) or a step budget (steps)")
+    run_dir = Path(pc.run_dir)
+    if not bench_steps:
+        loop.check_run_folder(run_dir, (pc.tokenizer, pc.data, pc.out))
+        loop.check_resume(pc, run_dir, RESUME_KEYS)
     tok = loading.load_tokenizer(pc.tokenizer)
     config = llama_config(len(tok), pc.hidden, pc.layers, pc.heads, pc.kv_heads, pc.intermediate, tok)
     cfg = target_config_from_hf(config)
@@ -177,86 +286,35 @@ def pretrain(pc: PretrainConfig, bench_steps: int = 0) -> dict:
         flush=True,
     )
     T = pc.seq_len
-    feed = batches(sequences(pc, tok, bench_steps), pc.batch, pc.seed)
+    feed = Feed(sequences(pc, tok, bench_steps), pc.batch, pc.seed)
     opt = optax.chain(
         optax.clip_by_global_norm(1.0),
         optax.inject_hyperparams(optax.adamw)(learning_rate=pc.lr, b1=0.9, b2=0.95, weight_decay=0.1),
     )
     opt_state = opt.init(params)
     step = train_step(cfg, opt, T)
-    next_batch = functools.partial(next, feed)
     if bench_steps:
-        params, opt_state, loss = step(params, opt_state, next_batch(), 1e-4)
-        loss.block_until_ready()
+        params, opt_state, m = step(params, opt_state, feed(0), 1e-4)
+        jax.block_until_ready(m)
         t = time.time()
-        for _ in range(bench_steps):
-            params, opt_state, loss = step(params, opt_state, next_batch(), 1e-4)
-        loss.block_until_ready()
+        for index in range(1, bench_steps + 1):
+            params, opt_state, m = step(params, opt_state, feed(index), 1e-4)
+        jax.block_until_ready(m)
         dt = (time.time() - t) / bench_steps
-        return {"seconds_per_step": dt, "tokens_per_s": pc.batch * T / dt, "loss": float(loss)}
+        return {"seconds_per_step": dt, "tokens_per_s": pc.batch * T / dt, "loss": float(m["loss"])}
 
-    extra = tokenizer_texts(pc.tokenizer)
-
-    def save(log: dict) -> None:
-        hf.save_target(
-            pc.out,
-            params,
-            cfg,
-            config,
-            generation_config(config),
-            {**extra, "training_log.json": json.dumps(log, indent=2) + "\n"},
-            overwrite=True,
-        )
-
-    def run_log(steps: int) -> dict:
-        """What training_log.json holds so far."""
-        return {
-            "steps": steps,
-            "tokens": steps * pc.batch * T,
-            "parameters": param_count(specs),
-            "args": dataclasses.asdict(pc),
-            "history": history,
-        }
-
-    budget_s = pc.minutes * 60 if pc.minutes else None
-    start = last_save = time.time()
-    history: list[dict] = []
-    losses: list[float] = []
-    i = 0
-    bar = tqdm(
-        total=pc.steps or int(budget_s), unit="step" if pc.steps else "s", file=sys.stdout, mininterval=10, ncols=100
+    loop.record_settings(pc, run_dir)
+    job = Pretraining(
+        pc, run_dir, cfg, config, param_count(specs), {"params": params, "opt_state": opt_state}, step, feed
     )
-    while True:
-        elapsed = time.time() - start
-        frac = i / pc.steps if pc.steps else elapsed / budget_s
-        if frac >= 1:
-            break
-        params, opt_state, loss = step(params, opt_state, next_batch(), lr_at(pc, frac))
-        i += 1
-        if i % 10 == 0:
-            losses.append(float(loss))
-            bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}", lr=f"{lr_at(pc, frac):.2e}", step=i)
-        if i % 100 == 0:
-            history.append(
-                {
-                    "step": i,
-                    "seconds": round(elapsed, 1),
-                    "loss": round(float(np.mean(losses[-10:])), 4),
-                    "tokens": i * pc.batch * T,
-                }
-            )
-        bar.update(1 if pc.steps else min(time.time() - start, budget_s) - bar.n)
-        if time.time() - last_save > pc.save_every * 60:
-            save(run_log(i))
-            last_save = time.time()
-    bar.close()
-    log = {
-        **run_log(i),
-        "seconds": round(time.time() - start, 1),
-        "final_loss": float(np.mean(losses[-10:])) if losses else None,
-    }
-    save(log)
-    return log
+    settings = loop.LoopSettings(
+        steps=pc.steps,
+        seconds=pc.minutes * 60 if pc.minutes else None,
+        log_every=10,
+        save_seconds=pc.save_every * 60,
+    )
+    loop.run(job, run_dir, settings)
+    return job.log
 
 
 def export_half(src: str | Path, dst: str | Path) -> Path:

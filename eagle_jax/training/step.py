@@ -103,16 +103,16 @@ def make_train_step(
 ) -> Callable:
     """The jitted train step -> (trainable, opt_state, metrics).
 
-    Online: (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask, loss_at): the target runs
+    Online: (trainable, opt_state, vocab_map, target_params, ids, attn, loss_mask, loss_at, index): the target runs
     forward (no gradient, not in the optimiser); `loss_at` [G, K] (`objective.loss_positions`, one group per
     batch shard) where the draft is read out. Offline (`features.FeatureStore`): (trainable, opt_state,
-    vocab_map, readout, ids, attn, loss_mask, loss_at, features [B, T, 3Ht], hidden [B, T, Ht], argmax [B, T]),
-    `readout` the target's embed (and lm_head when untied). The draft computes in `compute_dtype` from fp32
-    master weights; the loss is fp32. Metrics are sums/values of one micro-batch.
+    vocab_map, readout, ids, attn, loss_mask, loss_at, features [B, T, 3Ht], hidden [B, T, Ht], argmax [B, T],
+    index), `readout` the target's embed (and lm_head when untied); `index` (int32 []) the micro-batch's. The draft
+    computes in `compute_dtype` from fp32 master weights; the loss is fp32. Metrics are sums/values of one
+    micro-batch.
 
     An EAGLE-1 head (`dcfg.kind`) trains on the final hidden states only: offline the stored rows are
-    (hidden,), and both take the micro-batch's index last (int32 []): with `noise_seed` the input
-    features get v1's uniform noise drawn from (noise_seed, index).
+    (hidden,), and with `noise_seed` the input features get v1's uniform noise drawn from (noise_seed, index).
     """
     if dcfg.kind == "eagle1":
         return _eagle1_step(tcfg, dcfg, optimizer, sh, compute_dtype, offline, noise_seed)
@@ -143,13 +143,24 @@ def make_train_step(
         }
         return trainable, opt_state, metrics
 
-    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask, loss_at):
+    def online(trainable, opt_state, vocab_map, tparams, input_ids, attention_mask, loss_mask, loss_at, index):
         features, logits = objective.target_batch(tparams, tcfg, input_ids, attention_mask, dcfg.feature_layers(tcfg))
         tokens = (input_ids, attention_mask, loss_mask, loss_at)
         return update(trainable, opt_state, vocab_map, tparams["embed"], features, logits, *tokens)
 
     def stored(
-        trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, loss_at, features, hidden, top
+        trainable,
+        opt_state,
+        vocab_map,
+        weights,
+        input_ids,
+        attention_mask,
+        loss_mask,
+        loss_at,
+        features,
+        hidden,
+        top,
+        index,
     ):
         head = target.output_head(weights, tcfg).astype(compute_dtype)
         targets = objective.targets_from_hidden({**trainable, **vocab_map}, dcfg, head, hidden, top, loss_at)
@@ -162,7 +173,7 @@ def make_train_step(
     rows = (sh.features, sh.features, sh.batch) if offline else ()
     return jax.jit(
         stored if offline else online,
-        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + batch + rows,
+        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + batch + rows + (sh.replicated,),
         out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
         donate_argnums=(0, 1),
     )
@@ -272,6 +283,7 @@ def plan_training(
         tparams,
         *tokens,
         *(rows if offline else ()),
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=sh.replicated),
     )
     title = (
         f"training{' from stored features' if offline else ''}: batch {batch}, length {seq_len}, "

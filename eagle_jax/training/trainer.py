@@ -7,28 +7,24 @@ metrics.jsonl (one line per logged step), tau.jsonl (the head's real tau measure
 engine on held-out prompts), curves.png, head/ (the final head as an orbax store) and export/ (the
 final head in the official format). A resumed run continues with the same batches and losses as an
 uninterrupted one. Ctrl-C (or SIGTERM) during the steps stops the run after the current step with a
-checkpoint and the head exported, then raises KeyboardInterrupt; the same settings continue it.
+checkpoint and the head exported, then raises KeyboardInterrupt; the same settings continue it (`loop.run`).
+What differs by head kind is its `HeadKind`; what differs between the target run online and stored features is
+the run's `Source`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import math
-import signal
-import sys
-import threading
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from tqdm import tqdm
 
 from eagle_jax.decoding import speculative
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_envelopes
@@ -38,7 +34,7 @@ from eagle_jax.models import draft
 from eagle_jax.models.config import DraftConfig, TargetConfig, eagle1_head_like, eagle3_head_like
 from eagle_jax.models.params import init_params
 from eagle_jax.parallel import sharding
-from eagle_jax.training import checkpoints, data, features, objective
+from eagle_jax.training import data, features, loop, objective
 from eagle_jax.training.step import Shardings, lr_schedule, make_optimizer, make_shardings, make_train_step
 
 DEFAULT_DRAFT_VOCAB = 32000
@@ -99,9 +95,10 @@ class RunConfig:
         return self.warmup if self.warmup is not None else max(1, self.steps // 20)
 
 
-def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, ...]:
+def place_batch(b: data.Batch, sh: Shardings, index: int) -> tuple[jax.Array, ...]:
     """The step's batch arguments: ids, attention and loss masks [B, T], where the loss reads the draft out
-    (`objective.loss_positions`, one group per batch shard), and, from a store, the rows it holds."""
+    (`objective.loss_positions`, one group per batch shard), from a store the rows it holds, and last the
+    micro-batch's index (int32 [], which draws EAGLE-1's noise)."""
     placed = tuple(sharding.put(x, sh.batch) for x in (b.input_ids, b.attention_mask, b.loss_mask))
     loss_at = objective.loss_positions(b.loss_mask, sharding.data_parallelism(sh.batch.mesh))
     placed += (sharding.put(loss_at, sh.batch),)
@@ -110,7 +107,7 @@ def place_batch(b: data.Batch, sh: Shardings) -> tuple[jax.Array, ...]:
         placed += tuple(
             sharding.put(x, sh.batch if x.ndim == 2 else sh.features) for x in rows.values() if x is not None
         )
-    return placed
+    return (*placed, np.int32(index))
 
 
 def export_head(params: dict, dcfg: DraftConfig, tcfg: TargetConfig, out: Path) -> list[str]:
@@ -119,55 +116,6 @@ def export_head(params: dict, dcfg: DraftConfig, tcfg: TargetConfig, out: Path) 
     params = jax.device_get(params)
     store.save_draft(out / "head", config, params, kind=dcfg.kind)
     return official.save_head(out / "export", config, params, dcfg, overwrite=True)
-
-
-# ---------------------------------------------------------------- run directory
-
-
-class RunMismatch(EagleError):
-    """The output folder holds a run started with other defining settings: (name, saved, now) in `diffs`."""
-
-    def __init__(self, out: Path, diffs: list[tuple[str, object, object]]):
-        self.out, self.diffs = out, diffs
-        shown = "; ".join(f"{k}={saved!r} (now {now!r})" for k, saved, now in diffs)
-        super().__init__(
-            f"{out} holds a run started with {shown}; repeat those settings to resume or use a new output folder"
-        )
-
-
-def check_run_folder(rc: RunConfig) -> Path:
-    """Refuse, before any work, an output folder that is a file, is or holds an input, or holds files but no
-    run.json (a folder that is not a run: nothing in it is replaced); returns OUT."""
-    inputs = [p for p in (rc.target, *rc.data, rc.init_head, rc.tau_prompts, rc.chat_template, rc.features) if p]
-    out = Path(rc.out)
-    if out.is_dir() and any(out.iterdir()) and not (out / "run.json").is_file():
-        raise EagleError(
-            f"{out}: holds files but no run.json, so it is not a training run; choose a new or empty folder", "out"
-        )
-    return files.check_output_directory(out, inputs, overwrite=True, owned=None)
-
-
-def check_resume(rc: RunConfig, out: Path) -> None:
-    """Refuse to resume a run in OUT that was started with different defining settings (`RunMismatch`) or
-    more steps (run.json is left as it is)."""
-    path = out / "run.json"
-    if not path.is_file():
-        return
-    try:
-        saved = files.read_json(path)
-    except EagleError as exc:
-        raise EagleError(f"{exc}; repair it (it holds the run's settings) or use a new run folder", "out") from None
-    mine = json.loads(json.dumps(dataclasses.asdict(rc)))
-    defaults = {f.name: f.default for f in dataclasses.fields(RunConfig)}  # for a setting newer than the run
-    diffs = [(k, saved.get(k, defaults[k]), mine[k]) for k in RESUME_KEYS if saved.get(k, defaults[k]) != mine[k]]
-    if diffs:
-        raise RunMismatch(out, diffs)
-    if isinstance(saved.get("steps"), int) and rc.steps < saved["steps"]:
-        raise EagleError(
-            f"{rc.steps} is below the {saved['steps']} steps of the run in {out}; a resumed run keeps or raises "
-            "its steps (run.json is left as it is)",
-            "steps",
-        )
 
 
 def vocab_map(
@@ -193,69 +141,6 @@ def vocab_map(
         maps = {}
     files.save_npz_atomic(path, counts=counts, **maps)
     return maps
-
-
-def truncate_log(path: Path, step: int) -> None:
-    """Keep the complete lines of a JSONL log with 'step' <= step (what a resumed run will not repeat)."""
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("step", 0) <= step:
-            kept.append(line + "\n")
-    files.write_text_atomic(path, "".join(kept))
-
-
-def append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def plot_curves(out: Path) -> Path | None:
-    """OUT/curves.png: loss, accuracies (EAGLE-3: per TTT step; EAGLE-1: top-1/2/3), simulated (EAGLE-3) and
-    measured tau against the step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    if not rows:
-        return None
-    taus = (
-        [json.loads(line) for line in (out / "tau.jsonl").read_text().splitlines()]
-        if (out / "tau.jsonl").is_file()
-        else []
-    )
-    steps = [r["step"] for r in rows]
-    ttt = "tau_sim" in rows[0]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
-    axes[0].plot(steps, [r["loss"] for r in rows])
-    axes[0].set(title="TTT loss" if ttt else "loss (vloss + 0.1 ploss)", xlabel="step", yscale="log")
-    acc = np.asarray([r["acc"] for r in rows])
-    for j in range(acc.shape[1]):
-        axes[1].plot(steps, acc[:, j], label=f"acc_{j}" if ttt else f"top-{j + 1}")
-    axes[1].set(title="accuracy per TTT step" if ttt else "next-token accuracy", xlabel="step", ylim=(0, 1))
-    axes[1].legend(fontsize=7)
-    if ttt:
-        axes[2].plot(steps, [r["tau_sim"] for r in rows], label="simulated tau")
-    if taus:
-        axes[2].plot([t["step"] for t in taus], [t["tau"] for t in taus], "o-", label="engine tau")
-    axes[2].set(title="tau", xlabel="step")
-    if ttt or taus:
-        axes[2].legend()
-    seen = [t for t in taus if "tokens_seen" in t]
-    axes[3].plot([t["tokens_seen"] / 1e6 for t in seen], [t["tau"] for t in seen], "o-")
-    axes[3].set(title="engine tau on held-out prompts", xlabel="training tokens seen (millions)")
-    fig.tight_layout()
-    path = out / "curves.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
 
 
 # ---------------------------------------------------------------- real tau
@@ -298,44 +183,53 @@ def measure_tau(
 # ---------------------------------------------------------------- the run
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+@dataclasses.dataclass(frozen=True)
+class HeadKind:
+    """What a head kind supplies to a run: its fresh head, the target rows a step from stored features reads, the
+    model flops of a micro-batch, its own metrics fields and summary, and its curves' labels."""
+
+    name: str
+    fresh: Callable[[RunConfig, TargetConfig], DraftConfig]
+    stored: tuple[str, ...]
+    flops: Callable[[RunConfig, DraftConfig, np.ndarray, int], float]  # (run, head, lengths [B], loss tokens)
+    fields: Callable[[Sequence[dict], list[float]], dict]  # (micro-batch metrics, accuracies) -> its fields
+    summary: Callable[[dict], str]  # a metrics line -> its part of the progress bar
+    curves: loop.Curves
 
 
-@contextlib.contextmanager
-def stop_between_steps() -> Iterator[Callable[[], bool]]:
-    """Within: the first SIGINT or SIGTERM only asks the loop to stop after its current step (the function
-    yielded says whether one came); a second one raises KeyboardInterrupt at once. An ignored signal (SIGINT
-    in a background job) stays ignored; signals keep their usual effect outside the main thread and on
-    multi-host runs (whose hosts would stop at different steps)."""
-    if jax.process_count() > 1 or threading.current_thread() is not threading.main_thread():
-        yield lambda: False
-        return
-    received: list[int] = []
+def _joined(acc: list[float]) -> str:
+    return "/".join(f"{a:.2f}" for a in acc)
 
-    def handler(signum: int, frame) -> None:
-        if received:
-            raise KeyboardInterrupt
-        received.append(signum)
-        log(f"{signal.Signals(signum).name}: stopping after this step with a checkpoint and an export (again: at once)")
 
-    watched = [sig for sig in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(sig) is not signal.SIG_IGN]
-    previous = {sig: signal.signal(sig, handler) for sig in watched}
-    try:
-        yield lambda: bool(received)
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+EAGLE3 = HeadKind(
+    name="eagle3",
+    fresh=lambda rc, tcfg: eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size)),
+    stored=features.STORED,
+    flops=lambda rc, dcfg, lengths, readouts: objective.ttt_flops(dcfg, rc.ttt_steps, lengths, readouts),
+    fields=lambda ms, acc: {
+        "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
+        "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+    },
+    summary=lambda m: f"acc {_joined(m['acc'])} tau~{m['tau_sim']:.2f}",
+    curves=loop.Curves("TTT loss", "accuracy per TTT step", lambda j: f"acc_{j}", tau=True),
+)
+EAGLE1 = HeadKind(
+    name="eagle1",
+    fresh=lambda rc, tcfg: eagle1_head_like(tcfg),
+    stored=("hidden",),
+    flops=lambda rc, dcfg, lengths, readouts: objective.eagle1_flops(dcfg, lengths, readouts),
+    fields=lambda ms, acc: {name: float(np.mean([m[name] for m in ms])) for name in ("vloss", "ploss")},
+    summary=lambda m: f"top-1/2/3 {_joined(m['acc'])}",
+    curves=loop.Curves("loss (vloss + 0.1 ploss)", "next-token accuracy", lambda j: f"top-{j + 1}", tau=True),
+)
+KINDS = {kind.name: kind for kind in (EAGLE3, EAGLE1)}
 
 
 def initial_head(rc: RunConfig, tcfg: TargetConfig) -> tuple[DraftConfig, dict, dict | None]:
     """The head to start from: --init-head's (fp32 master weights, its vocabulary map), else a fresh head of the
     run's kind shaped like a target layer. -> (config, trainable parameters, the vocabulary map or None)."""
     if not rc.init_head:
-        if rc.kind == "eagle1":
-            dcfg = eagle1_head_like(tcfg)
-        else:
-            dcfg = eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size))
+        dcfg = KINDS[rc.kind].fresh(rc, tcfg)
         return dcfg, objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0], None
     dcfg, head = loading.load_draft(rc.init_head, tcfg, kind=rc.kind, dtype=np.float32)
     if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
@@ -343,14 +237,6 @@ def initial_head(rc: RunConfig, tcfg: TargetConfig) -> tuple[DraftConfig, dict, 
             f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s ({dcfg.draft_vocab_size})"
         )
     return (dcfg, *objective.split_trainable(head))
-
-
-def record_settings(rc: RunConfig, out: Path) -> None:
-    """run.json: the run's settings (rewritten when they changed, e.g. a raised --steps)."""
-    out.mkdir(parents=True, exist_ok=True)
-    settings = json.loads(json.dumps(dataclasses.asdict(rc)))
-    if not (out / "run.json").is_file() or files.read_json(out / "run.json") != settings:
-        files.write_json_atomic(out / "run.json", settings)
 
 
 def matmul_peak(mesh: Mesh, dtype=jnp.float32, n: int = 2048) -> float:
@@ -368,171 +254,177 @@ def matmul_peak(mesh: Mesh, dtype=jnp.float32, n: int = 2048) -> float:
     return 2 * mesh.size * n**3 / best
 
 
-def metrics_record(
-    rc: RunConfig, done: int, micro: list[dict], tokens: int, flops: float, elapsed: float, peak: float
-) -> dict:
-    """One metrics.jsonl line from the micro-batches of the step just done; `tokens` and the head's model `flops`
-    are those of the steps since the last line, `elapsed` their time, `peak` the measured matmul rate. `acc`:
-    EAGLE-3 the accuracy of each TTT step, EAGLE-1 the top-1/2/3 accuracies of the next token."""
-    ms = jax.device_get(micro)
-    correct = np.sum([m["n_correct"] for m in ms], axis=0)
-    denom = np.sum([m["loss_mask_sum"] for m in ms], axis=0)
-    acc = (correct / (denom + 1e-6)).tolist()
-    if rc.kind == "eagle1":
-        kind = {name: float(np.mean([m[name] for m in ms])) for name in ("vloss", "ploss")}
-    else:
-        kind = {
-            "plosses": np.mean([m["plosses"] for m in ms], axis=0).tolist(),
-            "tau_sim": float(objective.simulated_tau(np.asarray(acc))),
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where a run's sequences and the target's outputs come from: the target run online on the data, or a
+    `features.FeatureStore` (`stored`: the rows a batch carries)."""
+
+    examples: list[data.Example]
+    batch: Callable[[np.ndarray, int], data.Batch]  # (rows, length) -> the micro-batch
+    store: features.FeatureStore | None = None
+
+    @property
+    def online(self) -> bool:
+        return self.store is None
+
+    def weights(self, tparams: dict | None, sh: Shardings, dtype) -> dict:
+        """What of the target a step reads: all of it online, the readout from a store."""
+        if self.online:
+            return tparams
+        readout = jax.tree.map(lambda x: x.astype(dtype), self.store.readout())
+        return sharding.place(readout, {k: sh.target[k] for k in readout})
+
+
+def source(rc: RunConfig, tcfg: TargetConfig, tokenizer, dcfg: DraftConfig) -> Source:
+    """The run's `Source`: --features' store (checked against the run) or the data, tokenized."""
+    if rc.features:
+        fs = features.FeatureStore(rc.features)
+        fs.check(tcfg, rc.data, rc.chat_template, rc.max_length, dcfg.feature_layers(tcfg))
+        examples = fs.examples()
+        loop.log(f"data: {len(examples)} sequences from {rc.features}")
+        stored = KINDS[rc.kind].stored
+        return Source(examples, lambda rows, length: fs.batch(rows, length, stored), fs)
+    examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
+    loop.log(f"data: {stats.summary()}")
+    pad_id = tokenizer.pad_token_id or 0
+    return Source(examples, lambda rows, length: data.collate([examples[i] for i in rows], length, pad_id))
+
+
+@dataclasses.dataclass
+class HeadRun:
+    """A head's training run as `loop.run` drives it (a `loop.Job`)."""
+
+    rc: RunConfig
+    kind: HeadKind
+    tcfg: TargetConfig
+    dcfg: DraftConfig
+    out: Path
+    state: dict
+    step_fn: Callable
+    sh: Shardings
+    plan: data.BatchPlan
+    batch: Callable[[np.ndarray, int], data.Batch]
+    maps: dict[str, np.ndarray]
+    vocab_map: dict  # on the devices
+    weights: dict
+    peak: float
+    prompts: list[list[int]] | None  # held-out prompts for the engine's tau, read by the full target
+    tparams: dict | None
+    tree: TreeConfig
+
+    @property
+    def curves(self) -> loop.Curves:
+        return self.kind.curves
+
+    def step(self, state: dict, index: int, progress: float) -> loop.Micro:
+        rows, length = self.plan(index)
+        batch = self.batch(rows, length)
+        lengths = batch.attention_mask.sum(axis=1)
+        params, opt_state, metrics = self.step_fn(
+            state["params"], state["opt_state"], self.vocab_map, self.weights, *place_batch(batch, self.sh, index)
+        )
+        flops = self.kind.flops(self.rc, self.dcfg, lengths, batch.loss_mask.sum())
+        return loop.Micro({"params": params, "opt_state": opt_state}, metrics, int(lengths.sum()), flops)
+
+    def record(self, done: int, micro: Sequence[dict], interval: loop.Interval) -> dict:
+        """`acc`: EAGLE-3 the accuracy of each TTT step, EAGLE-1 the top-1/2/3 accuracies of the next token."""
+        correct = np.sum([m["n_correct"] for m in micro], axis=0)
+        denom = np.sum([m["loss_mask_sum"] for m in micro], axis=0)
+        acc = (correct / (denom + 1e-6)).tolist()
+        rc = self.rc
+        return {
+            "step": done,
+            "loss": float(np.mean([m["loss"] for m in micro])),
+            "acc": acc,
+            **self.kind.fields(micro, acc),
+            "grad_norm": float(np.mean([m["grad_norm"] for m in micro])),
+            "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps, rc.kind)(done - 1)),
+            "tokens_per_s": interval.tokens / interval.seconds,
+            "head_flops_per_s": interval.flops / interval.seconds,
+            "of_peak": interval.flops / interval.seconds / self.peak,
         }
-    return {
-        "step": done,
-        "loss": float(np.mean([m["loss"] for m in ms])),
-        "acc": acc,
-        **kind,
-        "grad_norm": float(np.mean([m["grad_norm"] for m in ms])),
-        "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps, rc.kind)(done - 1)),
-        "tokens_per_s": tokens / elapsed,
-        "head_flops_per_s": flops / elapsed,
-        "of_peak": flops / elapsed / peak,
-    }
 
+    def postfix(self, m: dict) -> str:
+        return (
+            f"loss {m['loss']:.3f} {self.kind.summary(m)} {m['tokens_per_s']:.0f} tok/s "
+            f"{m['head_flops_per_s'] / 1e9:.0f} GFLOP/s ({m['of_peak']:.0%} of peak)"
+        )
 
-def postfix(m: dict) -> str:
-    acc = "/".join(f"{a:.2f}" for a in m["acc"])
-    kind = f"acc {acc} tau~{m['tau_sim']:.2f}" if "tau_sim" in m else f"top-1/2/3 {acc}"
-    return (
-        f"loss {m['loss']:.3f} {kind} {m['tokens_per_s']:.0f} tok/s "
-        f"{m['head_flops_per_s'] / 1e9:.0f} GFLOP/s ({m['of_peak']:.0%} of peak)"
-    )
+    def reached(self, done: int, state: dict, write: Callable[[str], None]) -> None:
+        rc = self.rc
+        if not self.prompts or not rc.tau_every or done % rc.tau_every:
+            return
+        params = {**state["params"], **self.vocab_map}
+        tau = measure_tau(self.tparams, self.tcfg, params, self.dcfg, self.prompts, rc.tau_max_new_tokens, self.tree)
+        prompts = len(self.prompts)
+        seen = self.plan.real_tokens(done * rc.grad_accum)
+        loop.append_jsonl(self.out / "tau.jsonl", {"step": done, "tau": tau, "prompts": prompts, "tokens_seen": seen})
+        write(f"step {done}: engine tau {tau:.3f} on {prompts} held-out prompts")
 
-
-def restore(mgr, state: dict, sh: Shardings, out: Path) -> tuple[dict, int]:
-    """The latest checkpoint's state and step (`state` and 0 without one); the logs are cut back to that step."""
-    start = 0
-    restored = checkpoints.restore_latest(
-        mgr, checkpoints.abstract_like(state, {"params": sh.trainable, "opt_state": sh.opt_state}), log
-    )
-    if restored is not None:
-        state, meta = restored
-        start = int(meta["step"])
-        log(f"resuming {out} at step {start}")
-    for name in ("metrics.jsonl", "tau.jsonl"):
-        truncate_log(out / name, start)
-    return state, start
+    def export(self, state: dict, done: int, trained: float) -> str:
+        exported = export_head({**state["params"], **self.maps}, self.dcfg, self.tcfg, self.out)
+        return f"exported {', '.join(exported)} to {self.out / 'export'}"
 
 
 def train(rc: RunConfig) -> dict:
     """Run (or resume) training; returns the last logged metrics record."""
-    out = check_run_folder(rc)
+    out = loop.check_run_folder(
+        Path(rc.out), (rc.target, *rc.data, rc.init_head, rc.tau_prompts, rc.chat_template, rc.features)
+    )
     mesh = sharding.make_mesh(rc.mesh or f"fsdp={jax.device_count()}")
     sharding.check_dims(mesh, {"batch": rc.batch_size}, "batch size")
-    check_resume(rc, out)
+    loop.check_resume(rc, out, RESUME_KEYS)
 
     tcfg = loading.target_config(rc.target)  # weights later: bad settings and data fail first
     tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
     dcfg, trainable_init, init_map = initial_head(rc, tcfg)
     sharding.check_mesh(mesh, tcfg, dcfg)  # an axis that does not divide a model dimension: an error, not replication
-    if rc.features:
-        store = features.FeatureStore(rc.features)
-        store.check(tcfg, rc.data, rc.chat_template, rc.max_length, dcfg.feature_layers(tcfg))
-        examples = store.examples()
-        log(f"data: {len(examples)} sequences from {rc.features}")
-    else:
-        examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
-        log(f"data: {stats.summary()}")
+    src = source(rc, tcfg, tokenizer, dcfg)
     prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
-    record_settings(rc, out)
-    maps = vocab_map(rc, out, examples, dcfg, init_map)
+    loop.record_settings(rc, out)
+    maps = vocab_map(rc, out, src.examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
     optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum, rc.kind)
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
     # from a store the step reads only the target's readout; the whole target only measures the real tau
-    tparams = (
-        loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1] if prompts or not rc.features else None
-    )
-    if rc.features:
-        readout = jax.tree.map(lambda x: x.astype(compute_dtype), store.readout())
-        weights = sharding.place(readout, {k: sh.target[k] for k in readout})
-    else:
-        weights = tparams
-    vmap_dev = sharding.place(maps, sh.vocab_map)
+    tparams = loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1] if prompts or src.online else None
     trainable = sharding.place(trainable_init, sh.trainable)
     opt_state = jax.jit(optimizer.init, out_shardings=sh.opt_state)(trainable)
-    state = {"params": trainable, "opt_state": opt_state}
-
-    with checkpoints.opened(out / "ckpt", rc.keep) as mgr:
-        state, start = restore(mgr, state, sh, out)
-        noise_seed = rc.seed if rc.kind == "eagle1" and rc.noise else None
-        step_fn = make_train_step(
-            tcfg, dcfg, optimizer, rc.ttt_steps, sh, compute_dtype, offline=bool(rc.features), noise_seed=noise_seed
-        )
-        plan = data.BatchPlan(
-            [len(ex.input_ids) for ex in examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
-        )
-        pad_id = store.pad_id if rc.features else tokenizer.pad_token_id or 0
-
-        def batch_of(rows: np.ndarray, length: int) -> data.Batch:
-            if rc.features:
-                return store.batch(rows, length, ("hidden",) if rc.kind == "eagle1" else features.STORED)
-            return data.collate([examples[i] for i in rows], length, pad_id)
-
-        tree = parse_envelopes(rc.tau_tree)[0] if rc.tau_tree else DynamicTree()
-
-        def real_tau(step: int) -> None:
-            params = {**state["params"], **vmap_dev}
-            tau = measure_tau(tparams, tcfg, params, dcfg, prompts, rc.tau_max_new_tokens, tree)
-            seen = plan.real_tokens(step * rc.grad_accum)
-            append_jsonl(out / "tau.jsonl", {"step": step, "tau": tau, "prompts": len(prompts), "tokens_seen": seen})
-            bar.write(f"step {step}: engine tau {tau:.3f} on {len(prompts)} held-out prompts")
-
-        bar = tqdm(total=rc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-        if prompts and start == 0 and rc.tau_every:
-            real_tau(0)
-        last: dict = {}
-        peak = matmul_peak(mesh, compute_dtype)
-        log(f"matmul peak measured on this mesh: {peak / 1e9:.0f} GFLOP/s")
-        tokens, flops, t0 = 0, 0.0, time.perf_counter()
-        with stop_between_steps() as stop_asked:
-            for step in range(start, rc.steps):
-                micro = []
-                for k in range(rc.grad_accum):
-                    index = step * rc.grad_accum + k
-                    rows, length = plan(index)
-                    batch = batch_of(rows, length)
-                    lengths = batch.attention_mask.sum(axis=1)
-                    tokens += int(lengths.sum())
-                    args = place_batch(batch, sh)
-                    if rc.kind == "eagle1":
-                        flops += objective.eagle1_flops(dcfg, lengths, batch.loss_mask.sum())
-                        args += (np.int32(index),)  # the index draws the noise
-                    else:
-                        flops += objective.ttt_flops(dcfg, rc.ttt_steps, lengths, batch.loss_mask.sum())
-                    state["params"], state["opt_state"], m = step_fn(
-                        state["params"], state["opt_state"], vmap_dev, weights, *args
-                    )
-                    micro.append(m)
-                done = step + 1
-                if done % rc.log_every == 0 or done == rc.steps:
-                    jax.block_until_ready(state)  # the steps so far are done: the interval is their time
-                    last = metrics_record(rc, done, micro, tokens, flops, time.perf_counter() - t0, peak)
-                    append_jsonl(out / "metrics.jsonl", last)
-                    bar.set_postfix_str(postfix(last), refresh=False)
-                    tokens, flops, t0 = 0, 0.0, time.perf_counter()
-                bar.update(1)
-                if prompts and rc.tau_every and done % rc.tau_every == 0:
-                    real_tau(done)
-                if done % rc.save_every == 0 or done == rc.steps or stop_asked():
-                    checkpoints.save(mgr, done, state, {"step": done, "micro_batches": done * rc.grad_accum})
-                if stop_asked():
-                    break
-        bar.close()
-
-    exported = export_head({**state["params"], **maps}, dcfg, tcfg, out)
-    png = plot_curves(out) if (out / "metrics.jsonl").is_file() else None
-    log(f"exported {', '.join(exported)} to {out / 'export'}" + (f"; curves in {png}" if png else ""))
-    if stop_asked() and done < rc.steps:
-        log(f"stopped at step {done} of {rc.steps}; the same command continues the run")
-        raise KeyboardInterrupt
-    return last
+    step_fn = make_train_step(
+        tcfg,
+        dcfg,
+        optimizer,
+        rc.ttt_steps,
+        sh,
+        compute_dtype,
+        offline=not src.online,
+        noise_seed=rc.seed if rc.noise else None,
+    )
+    peak = matmul_peak(mesh, compute_dtype)
+    loop.log(f"matmul peak measured on this mesh: {peak / 1e9:.0f} GFLOP/s")
+    job = HeadRun(
+        rc=rc,
+        kind=KINDS[rc.kind],
+        tcfg=tcfg,
+        dcfg=dcfg,
+        out=out,
+        state={"params": trainable, "opt_state": opt_state},
+        step_fn=step_fn,
+        sh=sh,
+        plan=data.BatchPlan(
+            [len(ex.input_ids) for ex in src.examples], rc.batch_size, rc.seed, data.bucket_sizes(rc.max_length)
+        ),
+        batch=src.batch,
+        maps=maps,
+        vocab_map=sharding.place(maps, sh.vocab_map),
+        weights=src.weights(tparams, sh, compute_dtype),
+        peak=peak,
+        prompts=prompts,
+        tparams=tparams,
+        tree=parse_envelopes(rc.tau_tree)[0] if rc.tau_tree else DynamicTree(),
+    )
+    settings = loop.LoopSettings(
+        steps=rc.steps, grad_accum=rc.grad_accum, log_every=rc.log_every, save_every=rc.save_every, keep=rc.keep
+    )
+    return loop.run(job, out, settings)
