@@ -168,21 +168,26 @@ def make_train_step(
         embed = weights["embed"].astype(compute_dtype)
         return update(trainable, opt_state, vocab_map, embed, features, targets, *tokens)
 
-    batch = (sh.batch,) * 4
-    weights = readout(sh.target) if offline else sh.target
-    rows = (sh.features, sh.features, sh.batch) if offline else ()
-    return jax.jit(
-        stored if offline else online,
-        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + batch + rows + (sh.replicated,),
-        out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
-        donate_argnums=(0, 1),
-    )
+    return _placed(stored if offline else online, sh, offline, (sh.features, sh.features, sh.batch))
 
 
 def readout(target_tree: dict) -> dict:
     """The target's readout out of a tree of its parameters (or their shardings): the embedding, and the lm_head
     when untied: all of the target a step from stored features holds."""
     return {k: target_tree[k] for k in ("embed", "lm_head") if k in target_tree}
+
+
+def _placed(step: Callable, sh: Shardings, offline: bool, rows: tuple[NamedSharding, ...]) -> Callable:
+    """A train step jitted with its placements: (trainable, opt_state, vocab_map, the target or offline its
+    readout, four [B, T] token arrays, offline the stored `rows`, the index), the state donated."""
+    weights = readout(sh.target) if offline else sh.target
+    tokens = (sh.batch,) * 4 + (rows if offline else ())
+    return jax.jit(
+        step,
+        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights, *tokens, sh.replicated),
+        out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
+        donate_argnums=(0, 1),
+    )
 
 
 def _apply(optimizer, trainable, opt_state, grads):
@@ -226,14 +231,7 @@ def _eagle1_step(
     def stored(trainable, opt_state, vocab_map, weights, input_ids, attention_mask, loss_mask, loss_at, hidden, index):
         return update(trainable, opt_state, weights, hidden, input_ids, attention_mask, loss_mask, loss_at, index)
 
-    weights = readout(sh.target) if offline else sh.target
-    rows = (sh.features,) if offline else ()
-    return jax.jit(
-        stored if offline else online,
-        in_shardings=(sh.trainable, sh.opt_state, sh.vocab_map, weights) + (sh.batch,) * 4 + rows + (sh.replicated,),
-        out_shardings=(sh.trainable, sh.opt_state, sh.replicated),
-        donate_argnums=(0, 1),
-    )
+    return _placed(stored if offline else online, sh, offline, (sh.features,))
 
 
 def plan_training(

@@ -225,13 +225,13 @@ EAGLE1 = HeadKind(
 KINDS = {kind.name: kind for kind in (EAGLE3, EAGLE1)}
 
 
-def initial_head(rc: RunConfig, tcfg: TargetConfig) -> tuple[DraftConfig, dict, dict | None]:
+def initial_head(rc: RunConfig, kind: HeadKind, tcfg: TargetConfig) -> tuple[DraftConfig, dict, dict | None]:
     """The head to start from: --init-head's (fp32 master weights, its vocabulary map), else a fresh head of the
     run's kind shaped like a target layer. -> (config, trainable parameters, the vocabulary map or None)."""
     if not rc.init_head:
-        dcfg = KINDS[rc.kind].fresh(rc, tcfg)
+        dcfg = kind.fresh(rc, tcfg)
         return dcfg, objective.split_trainable(init_params(draft.param_specs(dcfg), jax.random.key(rc.seed)))[0], None
-    dcfg, head = loading.load_draft(rc.init_head, tcfg, kind=rc.kind, dtype=np.float32)
+    dcfg, head = loading.load_draft(rc.init_head, tcfg, kind=kind.name, dtype=np.float32)
     if rc.draft_vocab_size not in (None, dcfg.draft_vocab_size):
         raise EagleError(
             f"draft vocabulary size {rc.draft_vocab_size} differs from {rc.init_head}'s ({dcfg.draft_vocab_size})"
@@ -257,7 +257,7 @@ def matmul_peak(mesh: Mesh, dtype=jnp.float32, n: int = 2048) -> float:
 @dataclasses.dataclass(frozen=True)
 class Source:
     """Where a run's sequences and the target's outputs come from: the target run online on the data, or a
-    `features.FeatureStore` (`stored`: the rows a batch carries)."""
+    `features.FeatureStore` (`store`; None online)."""
 
     examples: list[data.Example]
     batch: Callable[[np.ndarray, int], data.Batch]  # (rows, length) -> the micro-batch
@@ -275,15 +275,14 @@ class Source:
         return sharding.place(readout, {k: sh.target[k] for k in readout})
 
 
-def source(rc: RunConfig, tcfg: TargetConfig, tokenizer, dcfg: DraftConfig) -> Source:
+def source(rc: RunConfig, kind: HeadKind, tcfg: TargetConfig, tokenizer, dcfg: DraftConfig) -> Source:
     """The run's `Source`: --features' store (checked against the run) or the data, tokenized."""
     if rc.features:
         fs = features.FeatureStore(rc.features)
         fs.check(tcfg, rc.data, rc.chat_template, rc.max_length, dcfg.feature_layers(tcfg))
         examples = fs.examples()
         loop.log(f"data: {len(examples)} sequences from {rc.features}")
-        stored = KINDS[rc.kind].stored
-        return Source(examples, lambda rows, length: fs.batch(rows, length, stored), fs)
+        return Source(examples, lambda rows, length: fs.batch(rows, length, kind.stored), fs)
     examples, stats = data.load_examples(rc.data, tokenizer, rc.max_length, tcfg.vocab_size)
     loop.log(f"data: {stats.summary()}")
     pad_id = tokenizer.pad_token_id or 0
@@ -338,7 +337,7 @@ class HeadRun:
             "acc": acc,
             **self.kind.fields(micro, acc),
             "grad_norm": float(np.mean([m["grad_norm"] for m in micro])),
-            "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps, rc.kind)(done - 1)),
+            "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps, self.kind.name)(done - 1)),
             "tokens_per_s": interval.tokens / interval.seconds,
             "head_flops_per_s": interval.flops / interval.seconds,
             "of_peak": interval.flops / interval.seconds / self.peak,
@@ -377,15 +376,16 @@ def train(rc: RunConfig) -> dict:
 
     tcfg = loading.target_config(rc.target)  # weights later: bad settings and data fail first
     tokenizer = data.chat_tokenizer(rc.target, rc.chat_template)
-    dcfg, trainable_init, init_map = initial_head(rc, tcfg)
+    kind = KINDS[rc.kind]
+    dcfg, trainable_init, init_map = initial_head(rc, kind, tcfg)
     sharding.check_mesh(mesh, tcfg, dcfg)  # an axis that does not divide a model dimension: an error, not replication
-    src = source(rc, tcfg, tokenizer, dcfg)
+    src = source(rc, kind, tcfg, tokenizer, dcfg)
     prompts = tau_prompts(rc.tau_prompts, tokenizer) if rc.tau_prompts else None
     loop.record_settings(rc, out)
     maps = vocab_map(rc, out, src.examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
-    optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum, rc.kind)
+    optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum, kind.name)
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
     # from a store the step reads only the target's readout; the whole target only measures the real tau
     tparams = loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1] if prompts or src.online else None
@@ -405,7 +405,7 @@ def train(rc: RunConfig) -> dict:
     loop.log(f"matmul peak measured on this mesh: {peak / 1e9:.0f} GFLOP/s")
     job = HeadRun(
         rc=rc,
-        kind=KINDS[rc.kind],
+        kind=kind,
         tcfg=tcfg,
         dcfg=dcfg,
         out=out,
