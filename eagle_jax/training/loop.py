@@ -251,7 +251,8 @@ def run(job: Job, out: Path, settings: LoopSettings) -> dict:
         tokens, flops, t0 = 0, 0.0, time.perf_counter()
         started, saved_at = time.perf_counter() - trained, time.perf_counter()
         with stop_between_steps() as stop_asked:
-            while (progress := settings.progress(done, time.perf_counter() - started)) < 1:
+            while not ended:  # the same test ends the loop and logs and saves its last step
+                progress = settings.progress(done, time.perf_counter() - started)
                 micro = []
                 for k in range(settings.grad_accum):
                     result = job.step(state, done * settings.grad_accum + k, progress)
