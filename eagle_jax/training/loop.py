@@ -242,7 +242,7 @@ def run(job: Job, out: Path, settings: LoopSettings) -> dict:
         done, trained = int(meta.get("step", 0)), float(meta.get("seconds", 0.0))
         total, unit = (settings.steps, "step") if settings.steps else (settings.seconds, "s")
         bar = tqdm(
-            total=total, initial=done if settings.steps else trained, desc="train", unit=unit, dynamic_ncols=True
+            total=total, initial=done if settings.steps else int(trained), desc="train", unit=unit, dynamic_ncols=True
         )
         ended = settings.progress(done, trained) >= 1
         if done == 0:
@@ -269,7 +269,7 @@ def run(job: Job, out: Path, settings: LoopSettings) -> dict:
                     append_jsonl(out / "metrics.jsonl", last)
                     bar.set_postfix_str(job.postfix(last), refresh=False)
                     tokens, flops, t0 = 0, 0.0, time.perf_counter()
-                bar.update((done if settings.steps else min(trained, total)) - bar.n)
+                bar.update((done if settings.steps else int(min(trained, total))) - bar.n)  # whole seconds
                 job.reached(done, state, bar.write)
                 due = (settings.save_every and done % settings.save_every == 0) or (
                     settings.save_seconds and time.perf_counter() - saved_at > settings.save_seconds
