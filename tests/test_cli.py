@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -415,6 +416,34 @@ def test_chat_reads_bytes_that_are_not_utf8(env):
     err = proc.stderr.decode("utf-8", "replace")
     assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
     assert len(proc.stdout.decode().strip().splitlines()) == 2  # both turns answered
+
+
+def test_quitting_the_chat_does_not_wait_for_background_compilations(env, tmp_path):
+    """After a first turn (its own programs compiled), /exit ends the process at once, although the chat's other
+    programs are still compiling in the background (with caches of its own: nothing is compiled already)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.generate", "--target", TARGET, "--draft", EAGLE3, "--max-new-tokens", "2"],
+        cwd=ROOT,
+        env=env | {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"), "EAGLE_JAX_CACHE": str(tmp_path / "cache")},
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        proc.stdin.write("t5 t9\n")
+        proc.stdin.flush()
+        lines = []
+        while not (lines and lines[-1].startswith(("[prefill", "error"))) and proc.poll() is None:
+            lines.append(proc.stderr.readline())  # the first turn's figures end it
+        quit_at = time.perf_counter()
+        proc.stdin.write("/exit\n")
+        proc.stdin.close()
+        code = proc.wait(timeout=120)
+        took = time.perf_counter() - quit_at
+    finally:
+        proc.kill()
+    assert code == 0 and took < 1.5, (took, lines, proc.stderr.read())
 
 
 # ---------------------------------------------------------------- presets
