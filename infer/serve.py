@@ -2,14 +2,16 @@
 
     python -m infer.serve [--target DIR --draft DIR|context | --config PRESET --models DIR] [--host 127.0.0.1]
         [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--max-request-bytes N] [--no-spec]
-        [--dtype fp32] [--mesh data=D,tensor=T]
+        [--dtype fp32] [--mesh data=D,tensor=T] [--shutdown-grace 25]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
 /metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
 each number of live rows is read from the head's measured budget (or measured here once and cached) and
 every program the engine can run is compiled; the log says which and how long it took. On several hosts
 (a TPU pod slice: every host runs the command, with one --mesh over all chips) process 0 serves HTTP and
-the others decode in step with it (`Batcher.follow`).
+the others decode in step with it (`Batcher.follow`). SIGTERM or Ctrl-C: new requests get 503, running ones
+have --shutdown-grace seconds to finish; a stream still running then ends with an error event and [DONE], a
+whole answer with a 503; the command exits 0.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from eagle_jax.parallel import distributed, sharding
 from eagle_jax.serving import api, batcher
 
 MEASURED_BATCHES = (1, 4, 8, 16)
+SHUTDOWN_GRACE_S = 25.0  # below the 30 s a supervisor (Kubernetes, systemd) commonly waits before SIGKILL
 
 
 def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
@@ -68,13 +71,25 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--max-batch", type=int, default=8, help="row slots decoded together")
     p.add_argument("--max-len", type=int, default=2048, help="cache capacity per row (prompt + answer)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=256,
+        help="max_tokens of a request without one (cut to what its context leaves)",
+    )
     p.add_argument(
         "--max-request-bytes",
         type=int,
         help="larger request bodies get 413 (default: room for the longest prompt --max-len takes)",
     )
     p.add_argument("--no-spec", action="store_true", help="plain decoding (the head only follows along)")
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=SHUTDOWN_GRACE_S,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C, seconds running requests have to finish before they are ended",
+    )
     p.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
     p.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (data must divide --max-batch)")
     p.add_argument(
@@ -84,6 +99,8 @@ def _main(argv: Sequence[str] | None) -> int:
     for name, low in (("max_batch", 1), ("max_len", 1), ("max_queue", 0), ("max_tokens", 1), ("max_request_bytes", 1)):
         if getattr(a, name) is not None and getattr(a, name) < low:
             raise EagleError(f"--{name.replace('_', '-')} must be >= {low}")
+    if not 0 <= a.shutdown_grace <= 3600:
+        raise EagleError(f"--shutdown-grace {a.shutdown_grace} must lie in 0..3600 seconds")
     if not 0 <= a.port <= 65535:
         raise EagleError(f"--port {a.port} must lie in 0..65535")
     preset = presets.load_preset(a.config) if a.config else None
@@ -135,11 +152,10 @@ def _main(argv: Sequence[str] | None) -> int:
         st = engine.stats
         log(f"followed {st.cycles} cycles: {st.row_cycles} row cycles, {st.generated_tokens} tokens")
         return 0
-    import uvicorn
-
     app = api.create_app(engine, tok, target_dir.name, a.max_tokens, a.max_request_bytes)
     log(f"serving {target_dir.name} on http://{a.host}:{a.port}/v1")
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    api.serve(app, a.host, a.port, a.shutdown_grace)
+    log("stopped")
     return 0
 
 
@@ -148,4 +164,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.finish(main())
