@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cli import command
+from cli import command, models
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
@@ -361,9 +361,7 @@ def plot(report: dict, path: Path) -> None:
 def _main(argv: Sequence[str] | None) -> int:
     p = command.ArgumentParser(prog="python -m instruments.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (measured as one mode); default: start one per mode")
-    p.add_argument("--target", help="target for the servers started here (default: the demo pair)")
-    p.add_argument("--draft", help="head for the servers started here")
-    p.add_argument("--dtype", choices=tuple(command.DTYPES))
+    models.add_flags(p, config=False, mesh=False, quantize=False)  # for the servers started here
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--concurrency", default="1,2,4,8,16")
