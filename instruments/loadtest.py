@@ -256,6 +256,10 @@ MALFORMED = (  # (path, body, status)
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400),  # lone surrogate
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),  # nested too deeply
+    ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400),  # beyond Python's digits
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 400 + b"}", 400),  # beyond the context
     ("/v1/nowhere", b"{}", 404),
 )
 
