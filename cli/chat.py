@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cli import command
-from cli.generation import CHAT_MAX_LEN, Models, Settings, pair_name, uses_chat_template
+from cli.generation import CHAT_MAX_LEN, Settings, pair_name, uses_chat_template
+from cli.models import Models
 from eagle_jax.decoding import session
-from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.io import loading
 
 
@@ -43,13 +43,13 @@ def chat(m: Models, tokenizer: Callable[[], Any], s: Settings, raw: bool, system
     talk = session.Session(
         m.tparams,
         m.dparams,
-        DecodeConfig(m.tcfg, m.dcfg, s.tree, s.sampling),
+        s.decode,
         capacity=capacity,
         mesh=m.mesh,
     )
     if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="replace")  # bytes that are not UTF-8 read as U+FFFD, not a crash
-    print(f"chatting with {pair_name(m, s.tree)}; /exit or end of input quits", file=sys.stderr)
+    print(f"chatting with {pair_name(m, s.decode.tree)}; /exit or end of input quits", file=sys.stderr)
     names = talk.programs()
     talk.warm_up(wait=False, first=2)  # a short first turn's programs while the tokenizer loads, then the rest
     print(f"warm-up: compiling {len(names)} programs ({', '.join(names)})", file=sys.stderr, flush=True)
@@ -80,10 +80,10 @@ def converse(talk: session.Session, tok, s: Settings, use_template: bool, system
             continue
         history.append({"role": "user", "content": text})
         ids = loading.encode_chat(tok, history, use_template)
-        while len(ids) + s.tree.cache_overhead >= capacity and len(history) - first > 1:
+        while len(ids) + s.decode.tree.cache_overhead >= capacity and len(history) - first > 1:
             del history[first : first + 2]
             ids = loading.encode_chat(tok, history, use_template)
-        if len(ids) + s.tree.cache_overhead >= capacity:
+        if len(ids) + s.decode.tree.cache_overhead >= capacity:
             command.warn(f"this message alone ({len(ids)} tokens) does not fit the cache ({capacity}); raise --max-len")
             history.pop()
             continue
@@ -91,7 +91,7 @@ def converse(talk: session.Session, tok, s: Settings, use_template: bool, system
         for new in talk.reply(ids, s.max_new_tokens, s.seed + talk.turns):
             show([new])
         print(flush=True)
-        print(turn_line(talk.last, s.tree.drafts), file=sys.stderr, flush=True)
+        print(turn_line(talk.last, s.decode.tree.drafts), file=sys.stderr, flush=True)
         history.append({"role": "assistant", "content": tok.decode(talk.last.tokens, skip_special_tokens=True)})
 
 

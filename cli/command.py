@@ -8,13 +8,16 @@ Every entry point does
     if __name__ == "__main__":
         sys.exit(main())
 
-where `_main(argv)` parses its flags with `cli.ArgumentParser` and raises `EagleError` for bad input.
+where `_main(argv)` parses its flags with `cli.ArgumentParser` and raises `EagleError` for bad input. A command
+that compiles in the background (the chat, the server) ends with `cli.finish(main())` instead, so that quitting
+does not wait for those compilations.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -99,6 +102,19 @@ def run(
         return EXIT_INTERRUPTED
     finally:
         warnings.showwarning = previous
+
+
+def finish(code: int) -> NoReturn:
+    """End the process with `code` without waiting for compilations still under way on worker threads (a normal
+    exit joins those threads: seconds each): with one running, the process flushes its output and ends at once.
+    A multi-host process ends normally (its distributed runtime shuts down with the others)."""
+    from eagle_jax.decoding import programs
+
+    if programs.compiling() and not distributed.is_multi_host():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}

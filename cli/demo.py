@@ -38,6 +38,11 @@ def smol_converted() -> bool:
     return (t / "config.json").is_file() and (t / "model.safetensors").is_file()
 
 
+def tiny_pair() -> tuple[Path, Path, str | None]:
+    """(target, draft, note) of the 7.9M pair, which a server or a measurement without a model named uses."""
+    return TARGET, DRAFT, None
+
+
 def default_pair() -> tuple[Path, Path, str | None]:
     """(target, draft, note): SmolLM2 + its head once converted into the cache, else the 7.9M pair and a note
     (one line) saying how to fetch the real model."""

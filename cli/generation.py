@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
 from cli import command, envelope, presets
+from cli.models import Models
 from eagle_jax.decoding import programs, schedule
 from eagle_jax.decoding.budget import MARGIN
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -31,7 +31,6 @@ from eagle_jax.decoding.tree import (
 )
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
-from eagle_jax.models.config import DraftConfig, TargetConfig
 
 DEFAULT_MAX_NEW_TOKENS = 256
 CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns do not recompile)
@@ -39,9 +38,8 @@ CHAT_MAX_LEN = 4096  # default cache of a chat session (one capacity, so turns d
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    tree: TreeConfig  # PLAIN: plain decoding (with auto_tree: none chosen yet)
+    decode: DecodeConfig  # the models' configs, the tree (PLAIN: plain decoding; with auto_tree, none chosen yet)
     auto_tree: bool  # no tree given: the envelope measured fastest here for the batch (`cli.envelope`)
-    sampling: SamplingConfig
     max_new_tokens: int
     seed: int
     max_len: int | None
@@ -76,7 +74,8 @@ def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeCon
     return dataclasses.replace(base if isinstance(base, DynamicTree) else DynamicTree(), **dynamic, **context)
 
 
-def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> Settings:
+def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None, m: Models) -> Settings:
+    """The generation flags over the preset's, for the loaded models; refused when they do not fit them."""
     gen = dict(preset.generation) if preset else {}
 
     def pick(name: str, default: Any) -> Any:
@@ -90,37 +89,13 @@ def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None) -> 
     if a.max_len is not None and a.max_len < 2:
         raise EagleError(f"--max-len {a.max_len} must be >= 2")
     tree = PLAIN if a.no_spec else tree_config(a, preset)
-    return Settings(tree or PLAIN, tree is None, sampling, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
+    decode = DecodeConfig(m.tcfg, m.dcfg, tree or PLAIN, sampling)
+    s = Settings(decode, tree is None, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
+    _check_fit(s, m)
+    return s
 
 
-@dataclasses.dataclass(frozen=True)
-class Models:
-    tcfg: TargetConfig
-    tparams: dict
-    dcfg: DraftConfig | None
-    dparams: dict | None
-    target_dir: Path
-    draft_dir: Path | None
-    mesh: Mesh | None  # parameters sharded over it (generation runs the mesh programs), else one device
-
-
-def load_models(
-    target_dir: Path, draft_dir: Path | None, kind: str | None, dtype, mesh: Mesh | None, quantize: str | None = None
-) -> Models:
-    """Target (quantised by `quantize`, e.g. "int8") and head on the mesh (or the default device); the head in the
-    target's floating dtype."""
-    tcfg, tparams = loading.load_target(target_dir, dtype, mesh, quantize=quantize)
-    if mesh is None:
-        tparams = jax.device_put(tparams)
-    if draft_dir is None:
-        return Models(tcfg, tparams, None, None, target_dir, None, mesh)
-    dcfg, dparams = loading.load_draft(draft_dir, tcfg, kind, tparams["embed"].dtype, mesh)
-    if mesh is None:
-        dparams = jax.device_put(dparams)
-    return Models(tcfg, tparams, dcfg, dparams, target_dir, draft_dir, mesh)
-
-
-def check_settings_fit(s: Settings, m: Models) -> None:
+def _check_fit(s: Settings, m: Models) -> None:
     """Refuse a --max-len past the target's positions, or a tree wider than the head's draft vocabulary."""
     positions = m.tcfg.rope.max_position_embeddings
     if s.max_len is not None and s.max_len > positions:
@@ -129,16 +104,9 @@ def check_settings_fit(s: Settings, m: Models) -> None:
             f"use at most {positions}"
         )
     if m.dcfg is not None:
-        check_fits(s.tree, m.dcfg.draft_vocab_size)
-    if s.tree.needs_head and m.dcfg is None:
-        raise EagleError(f"the tree {envelope_name(s.tree)} grows from a draft head: give --draft DIR")
-
-
-def resolve_dirs(a: argparse.Namespace, preset: presets.Preset | None) -> tuple[Path, Path | None]:
-    """(target, draft or None): as `presets.model_dirs`; no draft with --no-spec."""
-    if a.no_spec:
-        return presets.target_folder(a.target, preset, a.models), None
-    return presets.model_dirs(a.target, a.draft, preset, a.models, ", or --no-spec for plain decoding")
+        check_fits(s.decode.tree, m.dcfg.draft_vocab_size)
+    if s.decode.tree.needs_head and m.dcfg is None:
+        raise EagleError(f"the tree {envelope_name(s.decode.tree)} grows from a draft head: give --draft DIR")
 
 
 def load_tokenizer(target_dir: Path, chat_template: str | None):
@@ -177,7 +145,7 @@ def resolve_tree(
     )
     name = f"envelope {envelope_name(tree)}" if tree.drafts else "plain decoding (no envelope beats it here)"
     print(f"batch {batch}: {name}", file=sys.stderr, flush=True)
-    return dataclasses.replace(s, tree=tree, auto_tree=False)
+    return dataclasses.replace(s, decode=dataclasses.replace(s.decode, tree=tree), auto_tree=False)
 
 
 def pair_name(m: Models, tree: TreeConfig) -> str:
@@ -212,7 +180,7 @@ def run_generation(
         p = schedule.plan(
             [len(x) for x in prompts],
             s.max_new_tokens,
-            s.tree.cache_overhead,
+            s.decode.tree.cache_overhead,
             capacity or s.max_len,
             m.tcfg.rope.max_position_embeddings,
         )
@@ -223,7 +191,7 @@ def run_generation(
         m.dparams,
         prompts,
         s.max_new_tokens,
-        DecodeConfig(m.tcfg, m.dcfg, s.tree, s.sampling),
+        s.decode,
         m.mesh,
         seed=s.seed,
         capacity=p.capacity,
@@ -259,7 +227,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
     """The --json document: the contract fields first, then statistics and settings."""
     r = o.result
     new, cycles = sum(r.new_tokens), sum(r.cycles)
-    max_accept = s.tree.max_accept
+    max_accept = s.decode.tree.max_accept
     return {
         "output_ids": r.tokens,
         "accept_lengths": r.accept_lengths,
@@ -271,7 +239,7 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
             for p, n, c, why in zip(o.prompt_lengths, r.new_tokens, r.cycles, r.stop_reasons)
         ],
         "accept_histogram": r.accept_histogram(max_accept),
-        "n_alpha": r.n_alpha(max_accept) if s.tree.drafts else [],
+        "n_alpha": r.n_alpha(max_accept) if s.decode.tree.drafts else [],
         "prompt_ids": prompts,
         "seconds": o.seconds,
         "tokens_per_s": new / o.seconds if o.seconds > 0 else None,
@@ -279,9 +247,9 @@ def report(o: Outcome, prompts: list[list[int]], m: Models, s: Settings, a: argp
             "target": str(m.target_dir),
             "draft": str(m.draft_dir) if m.draft_dir else None,
             "draft_kind": m.dcfg.kind if m.dcfg else None,
-            "speculative": s.tree.drafts,
-            "tree": envelope_json(s.tree),
-            "sampling": dataclasses.asdict(s.sampling),
+            "speculative": s.decode.tree.drafts,
+            "tree": envelope_json(s.decode.tree),
+            "sampling": dataclasses.asdict(s.decode.sampling),
             "seed": s.seed,
             "max_new_tokens": o.max_new_tokens,
             "cache_capacity": o.capacity,
@@ -298,7 +266,7 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
     """Time speculative and plain decoding of the prompts (on-device loops, after warm-up); print the plain
     answer and the speedup. Returns the figures for --json."""
     timed = dataclasses.replace(s, stream=False, warmup=True)
-    if not s.tree.drafts:  # nothing to compare: plain decoding against itself would call noise a speedup
+    if not s.decode.tree.drafts:  # nothing to compare: plain decoding against itself would call noise a speedup
         print(
             "[speculation not used: no draft envelope beat plain decoding by "
             f"{MARGIN:.0%} on this machine (its measured budget); the answer above is plain decoding's]",
@@ -307,12 +275,13 @@ def compare(m: Models, prompts: list[list[int]], s: Settings, shown: Outcome, to
         )
         return {"speculative": False}
     spec = generate_timed(m, prompts, timed, None, shown.capacity)
-    base = generate_timed(m, prompts, dataclasses.replace(timed, tree=PLAIN), None, shown.capacity)
+    plain = dataclasses.replace(timed, decode=dataclasses.replace(s.decode, tree=PLAIN))
+    base = generate_timed(m, prompts, plain, None, shown.capacity)
     print("\nThe same with the target alone (plain decoding):")
     show_rows(base, tok)
     rate = lambda o: sum(o.result.new_tokens) / o.seconds  # noqa: E731
     same = spec.result.tokens == base.result.tokens
-    verdict = ("outputs identical" if same else "OUTPUTS DIFFER") if s.sampling.greedy else "sampled outputs"
+    verdict = ("outputs identical" if same else "OUTPUTS DIFFER") if s.decode.sampling.greedy else "sampled outputs"
     print(
         f"[speculative {rate(spec):.1f} tokens/s (tau {spec.result.tau:.2f}), plain {rate(base):.1f} tokens/s: "
         f"speedup {rate(spec) / rate(base):.2f}x; {verdict}]",

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cli import command, demo, envelope, presets
+from cli import command, envelope, models, presets
 from cli.timing import Runner, read_questions
 from eagle_jax.decoding import acceptance, budget
 from eagle_jax.decoding.speculative import DecodeConfig
@@ -351,22 +351,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--max-new-tokens", type=int, default=256, help="per turn")
     ap.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts keep their last tokens")
-    ap.add_argument("--target", default=None, help="default: the demo pair (see `cli.demo`)")
-    ap.add_argument("--draft", default=None, help=f"{presets.DRAFT_HELP} (default: the demo pair's head)")
+    models.add_flags(ap, config=False, dtype=False, mesh=False)
     ap.add_argument("--chat-template", default=None, help="jinja file, if the tokenizer has no chat template")
-    ap.add_argument(
-        "--quantize", help="quantise the target's weights as it loads: int8 (weight-only, one scale per output channel)"
-    )
-    ap.add_argument("--total-tokens", type=int, default=None, help="tree nodes including the root")
-    ap.add_argument("--depth", type=int, default=None)
-    ap.add_argument("--tree-top-k", type=int, default=None)
-    ap.add_argument(
-        "--context",
-        type=int,
-        default=None,
-        help="context candidates per cycle grafted onto the tree (alone with --draft context)",
-    )
-    ap.add_argument("--auto-budget", action="store_true", help="measure the envelopes here and use the fastest")
+    models.add_tree_flags(ap, static=False)
     ap.add_argument("--calibration-prompts", type=int, default=4, help="--auto-budget: calibration questions")
     ap.add_argument("--save-budget", default=None, help="--auto-budget: write the measurements as a budget.json")
     ap.add_argument("--budget-batches", default="1,4,8,16", help="--save-budget: batch sizes to measure")
@@ -409,12 +396,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.budget_batches = [int(b) for b in batches]
     with command.flag("--budget-candidates"):
         args.budget_candidates = parse_envelopes(args.budget_candidates) if args.budget_candidates else None
-    args.pair_note = None  # which demo pair stands in, said once the flags and outputs are checked
-    if args.target is None:
-        target, draft, args.pair_note = demo.default_pair()
-        args.target, args.draft = str(target), args.draft or str(draft)
-    elif args.draft is None:
-        args.draft = str(demo.DRAFT)
+    pair = models.choose(args)
+    args.pair_note = pair.note  # which demo pair stands in, said once the flags and outputs are checked
+    args.target, args.draft = str(pair.target), str(pair.draft) if pair.draft else presets.CONTEXT_DRAFT
     return args
 
 

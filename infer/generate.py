@@ -24,17 +24,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from cli import chat, command, demo, generation, presets
+from cli import chat, command, demo, generation, models
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
-from eagle_jax.models.config import DRAFT_KINDS
-from eagle_jax.parallel import sharding
 
 
 def parse_prompt_ids(text: str) -> list[list[int]]:
@@ -51,14 +48,11 @@ def parse_prompt_ids(text: str) -> list[list[int]]:
 
 
 def demo_defaults(a: argparse.Namespace) -> argparse.Namespace:
-    """No --target and no --config: the demo pair (SmolLM2-135M-Instruct + its head once `make demo` fetched it,
-    else the 7.9M pair; `cli.demo`), a sample prompt, float32, --warmup --compare."""
-    a = argparse.Namespace(**vars(a), pair_note=None)  # the note is said once flags and outputs are checked
+    """No --target and no --config: the demo pair answers (`models.choose` picks it: SmolLM2-135M-Instruct + its
+    head once `make demo` fetched it, else the 7.9M pair; `cli.demo`) a sample prompt, with --warmup --compare."""
     if a.target is not None or a.config is not None:
         return a
-    target, draft, a.pair_note = demo.default_pair()
-    a.target, a.draft = str(target), a.draft or str(draft)
-    a.dtype = a.dtype or "fp32"
+    a = argparse.Namespace(**vars(a))
     if a.prompt is None and a.prompt_file is None and a.prompt_ids is None:
         a.prompt = [demo.PROMPT]
     a.warmup = True
@@ -82,19 +76,7 @@ def _write_json(path: str, doc: dict) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = command.ArgumentParser(prog="python -m infer.generate", description=__doc__.split("\n\n")[0])
-    src = p.add_argument_group("models")
-    src.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
-    src.add_argument(
-        "--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)"
-    )
-    src.add_argument("--target", help="store directory, or Hugging Face model directory")
-    src.add_argument("--draft", help=f"{presets.DRAFT_HELP} (default: the target store's head)")
-    src.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected)")
-    src.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
-    src.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (default: preset, else one device)")
-    src.add_argument(
-        "--quantize", help="quantise the target's weights as it loads: int8 (weight-only, one scale per output channel)"
-    )
+    models.add_flags(p, draft_kind=True)
     inp = p.add_argument_group("input")
     inp.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     inp.add_argument("--prompt-file", help="file whose whole text is the prompt")
@@ -125,23 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_true",
         help="then time speculative and plain decoding of the same prompts (after warm-up) and print the speedup",
     )
-    tree = p.add_argument_group("draft tree (default: the envelope measured fastest on this machine for the batch)")
-    tree.add_argument("--total-tokens", type=int, help="tree nodes including the root")
-    tree.add_argument("--depth", type=int, help="expansion steps (depth + 1 draft levels)")
-    tree.add_argument("--tree-top-k", type=int, help="children per node and frontier width")
-    tree.add_argument("--tree", help="static tree: 'static' / 'mc_sim_7b_63' or a JSON list of rank paths")
-    tree.add_argument(
-        "--context",
-        type=int,
-        help="K candidates per cycle copied from the context (prompt lookup), grafted onto the tree; alone: "
-        "the only drafts (what --draft context uses)",
-    )
-    tree.add_argument(
-        "--auto-budget",
-        action="store_true",
-        help="measure the envelopes again here (ignore the "
-        "head's budget.json and the cache) and use the fastest, or plain decoding if none wins",
-    )
+    models.add_tree_flags(p)
     p.add_argument("--json", metavar="OUT", help="write output ids, accept lengths and statistics to OUT")
     a = p.parse_args(argv, namespace=argparse.Namespace(demo=False))
     if a.compare and a.no_spec:
@@ -165,18 +131,7 @@ def read_texts(a: argparse.Namespace) -> list[str] | None:
         ) from None
 
 
-def load(a: argparse.Namespace, preset: presets.Preset | None, mesh_text: str | None) -> generation.Models:
-    """The target and head the flags name, on the mesh --mesh (or the preset) names."""
-    target_dir, draft_dir = generation.resolve_dirs(a, preset)
-    dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else None))
-    with command.flag("--mesh") if mesh_text else contextlib.nullcontext():  # names --mesh only when one is given
-        mesh = sharding.make_mesh(mesh_text) if mesh_text else None
-        return generation.load_models(target_dir, draft_dir, a.draft_kind, dtype, mesh, a.quantize)
-
-
-def encode(
-    a: argparse.Namespace, m: generation.Models, ids, texts: list[str], tok, use_template: bool
-) -> list[list[int]]:
+def encode(a: argparse.Namespace, m: models.Models, ids, texts: list[str], tok, use_template: bool) -> list[list[int]]:
     """The prompts as token ids: --prompt-ids checked against the vocabulary, or the texts in the chat template."""
     if ids is not None:
         if max(max(r) for r in ids) >= m.tcfg.vocab_size:
@@ -188,7 +143,7 @@ def encode(
     return [loading.encode_chat(tok, system + [{"role": "user", "content": t}], use_template) for t in texts]
 
 
-def answer(a: argparse.Namespace, m: generation.Models, s: generation.Settings, prompts, tok) -> dict:
+def answer(a: argparse.Namespace, m: models.Models, s: generation.Settings, prompts, tok) -> dict:
     """Generate (one row streams as text), print the rows and the figures; the --json document."""
     single = len(prompts) == 1
     printer = (chat.TextStream(tok) if tok is not None else chat.print_ids) if single else None
@@ -197,7 +152,7 @@ def answer(a: argparse.Namespace, m: generation.Models, s: generation.Settings, 
         print(flush=True)
     else:
         generation.show_rows(outcome, tok)
-    print(generation.stats_line(outcome, s.tree.drafts), file=sys.stderr, flush=True)
+    print(generation.stats_line(outcome, s.decode.tree.drafts), file=sys.stderr, flush=True)
     doc = generation.report(outcome, prompts, m, s, a)
     if a.compare:
         doc["compare"] = generation.compare(m, prompts, s, outcome, tok)
@@ -206,27 +161,22 @@ def answer(a: argparse.Namespace, m: generation.Models, s: generation.Settings, 
 
 def _main(argv: Sequence[str] | None) -> int:
     a = demo_defaults(parse_args(argv))
-    preset = presets.load_preset(a.config) if a.config else None
-    mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)
-    with command.flag("--mesh"):
-        sharding.parse_mesh(mesh_text)
-    s = generation.settings_from_args(a, preset)
+    pair = models.choose(a, plain=a.no_spec, fallback=", or --no-spec for plain decoding")
     if a.json:
-        inputs = [p for p in (a.prompt_file, a.target, a.draft, a.config) if p]
+        inputs = [p for p in (a.prompt_file, pair.target, pair.draft, a.config) if p]
         files.check_output_file(a.json, "json", inputs, JSON_REPORT)
     ids = parse_prompt_ids(a.prompt_ids) if a.prompt_ids is not None else None
     texts = read_texts(a)
     for flag, given in (("--json", a.json), ("--compare", a.compare)):
         if given and ids is None and texts is None:
             raise EagleError(f"{flag} needs a prompt (--prompt, --prompt-file or --prompt-ids)")
-    if a.pair_note:
-        print(a.pair_note, file=sys.stderr, flush=True)
-    template = preset.chat_template if preset else None
+    if pair.note:
+        print(pair.note, file=sys.stderr, flush=True)
+    template = pair.preset.chat_template if pair.preset else None
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the tokenizer (seconds of imports) loads meanwhile
-        target_dir = generation.resolve_dirs(a, preset)[0]
-        tokenizer = None if ids is not None else pool.submit(generation.load_tokenizer, target_dir, template)
-        m = load(a, preset, mesh_text)
-        generation.check_settings_fit(s, m)
+        tokenizer = None if ids is not None else pool.submit(generation.load_tokenizer, pair.target, template)
+        m = models.load(pair)
+        s = generation.settings_from_args(a, pair.preset, m)
         if ids is None and texts is None:  # the chat's programs start compiling before it needs the tokenizer
             s = generation.resolve_tree(m, s, 1, tokenizer.result, a.auto_budget)
             chat.chat(m, tokenizer.result, s, a.raw, a.system)
@@ -238,8 +188,8 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     if a.demo:
         shown = texts[0] if texts else prompts[0]
-        kind = "speculative" if s.tree.drafts else "plain"
-        print(f"demo: {generation.pair_name(m, s.tree)}; {kind} answer to: {shown}", file=sys.stderr)
+        kind = "speculative" if s.decode.tree.drafts else "plain"
+        print(f"demo: {generation.pair_name(m, s.decode.tree)}; {kind} answer to: {shown}", file=sys.stderr)
     doc = answer(a, m, s, prompts, tok)
     if a.json:
         _write_json(a.json, doc)
@@ -251,4 +201,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.finish(main())

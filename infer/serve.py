@@ -2,14 +2,16 @@
 
     python -m infer.serve [--target DIR --draft DIR|context | --config PRESET --models DIR] [--host 127.0.0.1]
         [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--max-request-bytes N] [--no-spec]
-        [--dtype fp32] [--mesh data=D,tensor=T]
+        [--dtype fp32] [--mesh data=D,tensor=T] [--shutdown-grace 25]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
 /metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
 each number of live rows is read from the head's measured budget (or measured here once and cached) and
 every program the engine can run is compiled; the log says which and how long it took. On several hosts
 (a TPU pod slice: every host runs the command, with one --mesh over all chips) process 0 serves HTTP and
-the others decode in step with it (`Batcher.follow`).
+the others decode in step with it (`Batcher.follow`). SIGTERM or Ctrl-C: new requests get 503, running ones
+have --shutdown-grace seconds to finish; a stream still running then ends with an error event and [DONE], a
+whole answer with a 503; the command exits 0.
 """
 
 from __future__ import annotations
@@ -19,20 +21,20 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import jax
 
-from cli import command, demo, envelope, generation, presets
+from cli import command, demo, envelope, models
 from eagle_jax.decoding import budget as budgets
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, envelope_name
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
-from eagle_jax.parallel import distributed, sharding
+from eagle_jax.parallel import distributed
 from eagle_jax.serving import api, batcher
 
 MEASURED_BATCHES = (1, 4, 8, 16)
+SHUTDOWN_GRACE_S = 25.0  # below the 30 s a supervisor (Kubernetes, systemd) commonly waits before SIGKILL
 
 
 def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
@@ -59,49 +61,39 @@ def envelopes(models, paths, max_batch: int, tok, log) -> budgets.Budget:
 
 def _main(argv: Sequence[str] | None) -> int:
     p = command.ArgumentParser(prog="python -m infer.serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
-    p.add_argument("--models", help="folder holding the preset's checkpoints")
-    p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
-    p.add_argument("--draft", help=f"{presets.DRAFT_HELP} (default: the target store's, or the demo's)")
+    models.add_flags(p, mesh_help="(default: the preset's, else one device; data must divide --max-batch)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="row slots decoded together")
     p.add_argument("--max-len", type=int, default=2048, help="cache capacity per row (prompt + answer)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot before 429s")
-    p.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of a request without one (or less)")
     p.add_argument(
         "--max-request-bytes",
         type=int,
         help="larger request bodies get 413 (default: room for the longest prompt --max-len takes)",
     )
     p.add_argument("--no-spec", action="store_true", help="plain decoding (the head only follows along)")
-    p.add_argument("--dtype", choices=tuple(command.DTYPES), help="weights dtype (default: preset, else as stored)")
-    p.add_argument("--mesh", help="device mesh, e.g. tensor=8 or data=2,tensor=4 (data must divide --max-batch)")
     p.add_argument(
-        "--quantize", help="quantise the target's weights as it loads: int8 (weight-only, one scale per output channel)"
+        "--shutdown-grace",
+        type=float,
+        default=SHUTDOWN_GRACE_S,
+        metavar="S",
+        help="on SIGTERM or Ctrl-C, seconds running requests have to finish before they are ended",
     )
     a = p.parse_args(argv)
     for name, low in (("max_batch", 1), ("max_len", 1), ("max_queue", 0), ("max_tokens", 1), ("max_request_bytes", 1)):
         if getattr(a, name) is not None and getattr(a, name) < low:
             raise EagleError(f"--{name.replace('_', '-')} must be >= {low}")
+    if not 0 <= a.shutdown_grace <= 3600:
+        raise EagleError(f"--shutdown-grace {a.shutdown_grace} must lie in 0..3600 seconds")
     if not 0 <= a.port <= 65535:
         raise EagleError(f"--port {a.port} must lie in 0..65535")
-    preset = presets.load_preset(a.config) if a.config else None
-    if a.target is None and preset is None:  # the demo pair, in float32 as the demo runs it
-        target_dir = demo.TARGET
-        draft_dir = None if a.draft == presets.CONTEXT_DRAFT else Path(a.draft or demo.DRAFT)
-    else:
-        target_dir, draft_dir = presets.model_dirs(a.target, a.draft, preset, a.models)
-    demo_pair = a.target is None and preset is None
-    dtype = command.parse_dtype(a.dtype or (preset.dtype if preset else "fp32" if demo_pair else None))
-    mesh_text = a.mesh if a.mesh is not None else (preset.mesh if preset else None)
-    with command.flag("--mesh"):
-        mesh = sharding.make_mesh(mesh_text) if mesh_text else None
-        batcher.check_hosts(mesh)
-        m = generation.load_models(target_dir, draft_dir, None, dtype, mesh, a.quantize)
-    tcfg, tparams, dcfg, dparams = m.tcfg, m.tparams, m.dcfg, m.dparams
+    pair = models.choose(a, pair=demo.tiny_pair)
+    m = models.load(pair, batcher.check_hosts)
+    tcfg, tparams, dcfg, dparams, target_dir, draft_dir = m.tcfg, m.tparams, m.dcfg, m.dparams, pair.target, pair.draft
     with command.flag("--target"):
-        tok = loading.load_tokenizer(target_dir, preset.chat_template if preset else None)
+        tok = loading.load_tokenizer(target_dir, pair.preset.chat_template if pair.preset else None)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     measured = (
         None if a.no_spec else envelopes((tcfg, tparams, dcfg, dparams), (target_dir, draft_dir), a.max_batch, tok, log)
@@ -115,7 +107,7 @@ def _main(argv: Sequence[str] | None) -> int:
         a.max_len,
         max_queue=a.max_queue,
         speculate=not a.no_spec,
-        mesh=mesh,
+        mesh=m.mesh,
     )
     names = engine.programs()
     started = time.perf_counter()
@@ -135,11 +127,10 @@ def _main(argv: Sequence[str] | None) -> int:
         st = engine.stats
         log(f"followed {st.cycles} cycles: {st.row_cycles} row cycles, {st.generated_tokens} tokens")
         return 0
-    import uvicorn
-
     app = api.create_app(engine, tok, target_dir.name, a.max_tokens, a.max_request_bytes)
     log(f"serving {target_dir.name} on http://{a.host}:{a.port}/v1")
-    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+    api.serve(app, a.host, a.port, a.shutdown_grace)
+    log("stopped")
     return 0
 
 
@@ -148,4 +139,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command.finish(main())

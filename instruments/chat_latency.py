@@ -19,11 +19,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import jax
 from jax import monitoring
 from tqdm import tqdm
 
-from cli import command, demo, envelope
+from cli import command, demo, envelope, models
 from eagle_jax.decoding import session, speculative
 from eagle_jax.decoding.tree import PLAIN, DynamicTree
 from eagle_jax.errors import EagleError
@@ -102,8 +101,7 @@ def render(r: dict) -> str:
 
 def _main(argv: Sequence[str] | None) -> int:
     p = command.ArgumentParser(prog="python -m instruments.chat_latency", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
-    p.add_argument("--draft", help="store or official EAGLE head folder (default: the target store's, or the demo's)")
+    models.add_flags(p, config=False, mesh=False, quantize=False, dtype_default="fp32")
     p.add_argument("--no-spec", action="store_true", help="plain decoding with the target alone")
     p.add_argument("--total-tokens", type=int, default=16)
     p.add_argument("--depth", type=int, default=4)
@@ -111,7 +109,6 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--turns", type=int, default=5)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--max-len", type=int, default=2048, help="cache capacity of the conversation")
-    p.add_argument("--dtype", choices=tuple(command.DTYPES), default="fp32")
     p.add_argument("--json", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     for name in ("turns", "max_new_tokens", "max_len"):
@@ -121,24 +118,14 @@ def _main(argv: Sequence[str] | None) -> int:
         files.check_output_file(
             a.json, "json", [p for p in (a.target, a.draft) if p], files.json_with("warm_up_s", "programs", "turns")
         )
-    target_path = Path(a.target or demo.TARGET)
-    draft_path = (
-        None if a.no_spec else Path(a.draft or (target_path if loading.holds_draft(target_path) else demo.DRAFT))
-    )
-    dtype = command.parse_dtype(a.dtype)
-    tcfg, tparams = loading.load_target(target_path, dtype)
-    dcfg = dparams = None
-    tree = PLAIN
-    if draft_path is not None:
-        dcfg, dparams = loading.load_draft(draft_path, tcfg, dtype=dtype)
-        dparams = jax.device_put(dparams)
-        tree = DynamicTree(a.total_tokens, a.depth, a.tree_top_k)
+    m = models.load(models.choose(a, plain=a.no_spec, pair=demo.tiny_pair))
+    tree = DynamicTree(a.total_tokens, a.depth, a.tree_top_k) if m.dcfg is not None else PLAIN
     with command.flag("--target"):
-        tok = loading.load_tokenizer(target_path)
-    report = measure((tcfg, jax.device_put(tparams), dcfg, dparams), tok, tree, a.turns, a.max_new_tokens, a.max_len)
+        tok = loading.load_tokenizer(m.target_dir)
+    report = measure((m.tcfg, m.tparams, m.dcfg, m.dparams), tok, tree, a.turns, a.max_new_tokens, a.max_len)
     print(render(report))
     if a.json:
-        doc = {**report, "target": command.shown_path(target_path), "draft": command.shown_path(draft_path)}
+        doc = {**report, "target": command.shown_path(m.target_dir), "draft": command.shown_path(m.draft_dir)}
         files.write_json_atomic(Path(a.json), doc)
     return 0
 

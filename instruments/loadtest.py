@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from cli import command
+from cli import command, models
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 
@@ -256,6 +256,10 @@ MALFORMED = (  # (path, body, status)
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400),  # lone surrogate
+    ("/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),  # nested too deeply
+    ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400),  # beyond Python's digits
+    ("/v1/completions", b'{"prompt": "hi", "max_tokens": 1' + b"0" * 400 + b"}", 400),  # beyond the context
     ("/v1/nowhere", b"{}", 404),
 )
 
@@ -361,9 +365,7 @@ def plot(report: dict, path: Path) -> None:
 def _main(argv: Sequence[str] | None) -> int:
     p = command.ArgumentParser(prog="python -m instruments.loadtest", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (measured as one mode); default: start one per mode")
-    p.add_argument("--target", help="target for the servers started here (default: the demo pair)")
-    p.add_argument("--draft", help="head for the servers started here")
-    p.add_argument("--dtype", choices=tuple(command.DTYPES))
+    models.add_flags(p, config=False, mesh=False, quantize=False)  # for the servers started here
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--concurrency", default="1,2,4,8,16")

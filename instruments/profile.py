@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from cli import command, demo
+from cli import command, demo, models
 from eagle_jax.decoding import cost, profiling, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
-from eagle_jax.io import files, loading
+from eagle_jax.io import files
 from eagle_jax.models import kv_cache, target
 
 SAMPLING = SamplingConfig()
@@ -202,8 +202,7 @@ def parse_widths(text: str) -> tuple[int, ...]:
 
 def _main(argv: Sequence[str] | None) -> int:
     p = command.ArgumentParser(prog="python -m instruments.profile", description=__doc__.split("\n\n")[0])
-    p.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
-    p.add_argument("--draft", help="store or official EAGLE head folder (default: the target store's, or the demo's)")
+    models.add_flags(p, config=False, mesh=False, quantize=False, dtype_default="fp32")
     p.add_argument("--total-tokens", type=int, default=60)
     p.add_argument("--depth", type=int, default=7)
     p.add_argument("--tree-top-k", type=int, default=10)
@@ -213,7 +212,6 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--widths", default="1,2,4,8,16,32,64", help="forward widths to time ('' for none)")
-    p.add_argument("--dtype", choices=tuple(command.DTYPES), default="fp32")
     p.add_argument("--json", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     for name in ("batch", "prompt_len", "new_tokens"):
@@ -228,13 +226,9 @@ def _main(argv: Sequence[str] | None) -> int:
     with command.flag("--tree"):
         tree = parse_static(a.tree) if a.tree else DynamicTree(a.total_tokens, a.depth, a.tree_top_k)
         tree = dataclasses.replace(tree, context=a.context)
-    target_path = a.target or demo.TARGET
-    draft_path = a.draft or (target_path if loading.holds_draft(target_path) else demo.DRAFT)
-    dtype = command.parse_dtype(a.dtype)
-    tcfg, tparams = loading.load_target(target_path, dtype)
-    dcfg, dparams = loading.load_draft(draft_path, tcfg, dtype=dtype)
+    m = models.load(models.choose(a, pair=demo.tiny_pair))
     report = profile(
-        (tcfg, jax.device_put(tparams), dcfg, jax.device_put(dparams)),
+        (m.tcfg, m.tparams, m.dcfg, m.dparams),
         tree,
         a.batch,
         a.prompt_len,
@@ -244,7 +238,8 @@ def _main(argv: Sequence[str] | None) -> int:
     print(render(report))
     if a.json:
         files.write_json_atomic(
-            Path(a.json), {**report, "target": command.shown_path(target_path), "draft": command.shown_path(draft_path)}
+            Path(a.json),
+            {**report, "target": command.shown_path(m.target_dir), "draft": command.shown_path(m.draft_dir)},
         )
     return 0
 

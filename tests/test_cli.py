@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +19,7 @@ from procs import finish, launch
 from safetensors.numpy import load_file, save_file
 from tiny import plain_generate
 
-from cli import demo, presets
+from cli import demo, models, presets
 from eagle_jax.decoding import budget
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, StaticTree, envelope_json
 from eagle_jax.errors import EagleError
@@ -243,9 +246,11 @@ def test_the_demo_pair_is_smollm2_once_converted(tmp_path, monkeypatch, capsys):
     (smol / "model.safetensors").write_bytes(b"")
     assert demo.smol_target() == smol and demo.default_pair() == (smol, demo.SMOL_DRAFT, None)
     args = cli_generate.demo_defaults(cli_generate.parse_args(["--max-new-tokens", "4"]))
-    assert (args.target, args.draft, args.demo) == (str(smol), str(demo.SMOL_DRAFT), True)
+    pair = models.choose(args)
+    assert (pair.target, pair.draft, pair.dtype, pair.note, args.demo) == (smol, demo.SMOL_DRAFT, "fp32", None, True)
     named = cli_generate.demo_defaults(cli_generate.parse_args(["--target", TARGET, "--draft", EAGLE3]))
-    assert (named.target, named.draft, named.demo) == (TARGET, EAGLE3, False)
+    pair = models.choose(named)
+    assert (pair.target, pair.draft, pair.dtype, named.demo) == (Path(TARGET), Path(EAGLE3), None, False)
     assert capsys.readouterr().err == ""
 
 
@@ -417,6 +422,34 @@ def test_chat_reads_bytes_that_are_not_utf8(env):
     assert len(proc.stdout.decode().strip().splitlines()) == 2  # both turns answered
 
 
+def test_quitting_the_chat_does_not_wait_for_background_compilations(env, tmp_path):
+    """After a first turn (its own programs compiled), /exit ends the process at once, although the chat's other
+    programs are still compiling in the background (with caches of its own: nothing is compiled already)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.generate", "--target", TARGET, "--draft", EAGLE3, "--max-new-tokens", "2"],
+        cwd=ROOT,
+        env=env | {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "xla"), "EAGLE_JAX_CACHE": str(tmp_path / "cache")},
+        text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        proc.stdin.write("t5 t9\n")
+        proc.stdin.flush()
+        lines = []
+        while not (lines and lines[-1].startswith(("[prefill", "error"))) and proc.poll() is None:
+            lines.append(proc.stderr.readline())  # the first turn's figures end it
+        quit_at = time.perf_counter()
+        proc.stdin.write("/exit\n")
+        proc.stdin.close()
+        code = proc.wait(timeout=120)
+        took = time.perf_counter() - quit_at
+    finally:
+        proc.kill()
+    assert code == 0 and took < 1.5, (took, lines, proc.stderr.read())
+
+
 # ---------------------------------------------------------------- presets
 
 
@@ -478,6 +511,49 @@ def test_model_folders_name_a_missing_target_before_a_missing_head(tmp_path):
     assert presets.model_dirs(str(store), None, None, None) == (Path(store), Path(store))
     with pytest.raises(EagleError, match="--config NAME"):
         presets.target_folder(None, None, None)
+
+
+DECODING_COMMANDS = (
+    "infer.generate",
+    "infer.serve",
+    "infer.benchmark",
+    "instruments.chat_latency",
+    "instruments.profile",
+)
+
+
+@pytest.mark.parametrize("module", DECODING_COMMANDS)
+def test_every_decoding_command_declares_the_model_flags_once(module, capsys):
+    """The model flags of each decoding command come from `cli.models.add_flags`: the same words everywhere."""
+    parser = argparse.ArgumentParser()
+    models.add_flags(parser, draft_kind=True)
+    shared = {a.dest: a.help for a in parser._actions if a.option_strings}
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    for dest in ("target", "draft"):
+        assert " ".join(shared[dest].split()) in shown, (module, dest)
+
+
+def test_one_resolution_of_the_model_flags(tmp_path):
+    """`models.choose`: the demo pair in float32 (with its note) when no model is named, a store's own head, no head
+    for plain decoding or --draft context, the preset's dtype and mesh unless flags say otherwise."""
+    flags = dict(config=None, models=None, target=None, draft=None, draft_kind=None, dtype=None, mesh=None)
+    flags["quantize"] = None
+    pick = lambda **kw: models.choose(argparse.Namespace(**flags | kw))  # noqa: E731
+    with_demo = pick()
+    assert (with_demo.target, with_demo.draft, with_demo.dtype) == (demo.TARGET, demo.DRAFT, "fp32")
+    assert with_demo.note == demo.FETCH_NOTE and pick(draft="context").draft is None
+    tiny = models.choose(argparse.Namespace(**flags), pair=demo.tiny_pair)
+    assert (tiny.target, tiny.note) == (demo.TARGET, None)
+    store = convert.convert(TARGET, EAGLE3, tmp_path / "store", progress=False)
+    own = pick(target=str(store))
+    assert (own.draft, own.dtype, own.mesh, own.preset) == (Path(store), None, None, None)
+    assert models.choose(argparse.Namespace(**flags | {"target": str(store)}), plain=True).draft is None
+    (tmp_path / presets.load_preset("llama3.3-70b-eagle3").target.dir).mkdir()
+    preset = pick(config="llama3.3-70b-eagle3", models=str(tmp_path), draft="context", dtype="fp32")
+    assert preset.mesh == "tensor=8" and preset.dtype == "fp32" and preset.draft is None
+    assert pick(config="llama3.3-70b-eagle3", models=str(tmp_path), draft="context", mesh="tensor=2").mesh == "tensor=2"
 
 
 def test_preset_with_local_models(reference, tmp_path, capsys):

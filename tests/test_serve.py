@@ -2,7 +2,9 @@
 speculative rows must answer every request as plain decoding of it alone would."""
 
 import concurrent.futures
+import http.client
 import json
+import logging
 import signal
 import socket
 import subprocess
@@ -173,37 +175,86 @@ def test_a_client_that_goes_away_frees_its_slot(served):
     assert httpx.get(f"{url}/health").json()["running_rows"] == 0
 
 
-BAD_REQUESTS = {
-    "malformed JSON": (b"{not json", 400),
-    "not an object": (b"[1, 2]", 400),
-    "unknown model": ({"model": "gpt-5", "messages": [{"role": "user", "content": "hi"}]}, 404),
-    "no messages": ({"model": "demo", "messages": []}, 400),
-    "max_tokens 0": ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
-    "negative temperature": ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
-    "top_p 0": ({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}, 400),
-    "n 2": ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, 400),
-    "prompt longer than the cache": ({"messages": [{"role": "user", "content": "word " * 600}]}, 400),
-    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    "image part": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400),
-    "logprobs": ({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}, 400),
-    "tools": (
-        {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}], "tool_choice": "required"},
+HI = [{"role": "user", "content": "hi"}]
+BAD_REQUESTS = {  # body, status, the field the error names (None: the body)
+    "malformed JSON": (b"{not json", 400, None),
+    "not an object": (b"[1, 2]", 400, None),
+    "unknown model": ({"model": "gpt-5", "messages": HI}, 404, "model"),
+    "model not a string": ({"model": 123, "messages": HI}, 400, "model"),
+    "no messages": ({"model": "demo", "messages": []}, 400, "messages"),
+    "max_tokens 0": ({"messages": HI, "max_tokens": 0}, 400, "max_tokens"),
+    "401-digit max_tokens": ({"messages": HI, "max_tokens": 10**400}, 400, "max_tokens"),
+    "max_tokens beyond the context": ({"messages": HI, "max_tokens": 250}, 400, "max_tokens"),
+    "5000-digit integer": (b'{"messages": [], "seed": 1' + b"0" * 5000 + b"}", 400, None),
+    "nested too deeply": (b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    "lone surrogate": (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, "messages[0].content"),
+    "lone surrogate stop": (b'{"messages": [{"role": "user", "content": "hi"}], "stop": "\\udfff"}', 400, "stop"),
+    "negative temperature": ({"messages": HI, "temperature": -1}, 400, "temperature"),
+    "NaN temperature": (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "temperature"),
+    "huge temperature": ({"messages": HI, "temperature": 10**400}, 400, "temperature"),
+    "top_p 0": ({"messages": HI, "top_p": 0}, 400, "top_p"),
+    "n 2": ({"messages": HI, "n": 2}, 400, "n"),
+    "huge n": ({"messages": HI, "n": 10**400}, 400, "n"),
+    "stream_options not an object": ({"messages": HI, "stream": True, "stream_options": "x"}, 400, "stream_options"),
+    "prompt longer than the cache": ({"messages": [{"role": "user", "content": "word " * 600}]}, 400, "messages"),
+    "unknown role": ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    "empty content parts": ({"messages": [{"role": "user", "content": []}]}, 400, "messages[0].content"),
+    "image part": (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
         400,
+        "messages[0].content",
     ),
-    "json mode": ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, 400),
+    "logprobs": ({"messages": HI, "logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
+    "tools": ({"messages": HI, "tools": [{"type": "function"}], "tool_choice": "required"}, 400, "tools"),
+    "json mode": ({"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
 }
+
+
+def post_raw(conn: http.client.HTTPConnection, body: dict | bytes, path: str = "/v1/chat/completions"):
+    """POST on a kept-alive connection: (status, headers, the error object or the body)."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn.request("POST", path, content, {"content-type": "application/json"})
+    r = conn.getresponse()
+    doc = json.loads(r.read())
+    return r.status, r.headers, doc.get("error", doc)
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_requests_get_openai_errors(served, case):
     url, engine, _, _ = served
-    body, status = BAD_REQUESTS[case]
-    content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{url}/v1/chat/completions", content=content, headers={"content-type": "application/json"})
-    assert r.status_code == status, r.text
-    error = r.json()["error"]
-    assert error["message"] and error["type"]
+    body, status, param = BAD_REQUESTS[case]
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    got, _, error = post_raw(conn, body)
+    assert got == status and error["param"] == param, error
+    assert error["message"] and error["type"] and len(error["message"]) < 600, error
     assert httpx.get(f"{url}/health").status_code == 200 and engine.live == 0
+
+
+def test_bad_input_keeps_the_connection(served):
+    """Every refusal is answered on the client's kept-alive connection, which then serves a good request."""
+    url, _, _, _ = served
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    conn.connect()
+    sock = conn.sock
+    for body, status, _ in BAD_REQUESTS.values():
+        assert post_raw(conn, body)[0] == status
+    assert post_raw(conn, {"messages": HI, "max_tokens": 2, "top_k": 2**40})[0] == 200  # k beyond the vocabulary
+    assert conn.sock is sock
+
+
+def test_a_prompt_and_max_tokens_beyond_the_context_are_refused_not_clamped(served):
+    """An explicit max_tokens that the context cannot hold beside the prompt is a 400 that says both; without one,
+    the answer takes what the context leaves."""
+    url, engine, models, _ = served
+    conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=120)
+    prompt = len(loading.encode_chat(models[2], HI))
+    context = engine.max_prompt + 1
+    status, _, error = post_raw(conn, {"messages": HI, "max_tokens": context - prompt + 1})
+    assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "max_tokens"
+    assert f"holds {context} tokens" in error["message"]
+    assert f"({prompt} in the prompt, {context - prompt + 1} in 'max_tokens')" in error["message"]
+    status, _, body = post_raw(conn, {"messages": HI, "max_tokens": context - prompt, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] <= context - prompt
 
 
 @pytest.mark.parametrize(
@@ -219,7 +270,9 @@ def test_fields_the_server_does_not_implement_are_named(served, field):
     assert r.status_code == 400 and error["param"] == field and repr(field) in error["message"]
 
 
-def test_every_error_is_an_openai_error_object(served, monkeypatch):
+def test_every_error_is_an_openai_error_object(served, monkeypatch, caplog):
+    """A failure nobody foresaw is a 500 "internal error" with a request id: its class and message stay in the log,
+    where its traceback is written once, and the connection is kept."""
     url, _, _, app_api = served
     for method, path, status in (("GET", "/v1/chat/completions", 405), ("GET", "/nowhere", 404)):
         r = httpx.request(method, f"{url}{path}")
@@ -229,8 +282,22 @@ def test_every_error_is_an_openai_error_object(served, monkeypatch):
         raise RuntimeError("planted")
 
     monkeypatch.setattr(app_api, "respond", fails)
-    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error" and "planted" in r.text
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        with caplog.at_level(logging.ERROR):
+            conn = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+            status, headers, error = post_raw(conn, {"messages": HI})
+            sock = conn.sock
+            monkeypatch.undo()
+            assert post_raw(conn, {"messages": HI, "max_tokens": 1})[0] == 200 and conn.sock is sock
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    rid = headers["X-Request-Id"]
+    assert status == 500 and error["type"] == "server_error" and "planted" not in error["message"]
+    assert error["message"].startswith("internal error") and rid in error["message"]
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and rid in tracebacks[0].getMessage() and "planted" in caplog.text
 
 
 def test_what_openai_accepts_is_accepted(served):
@@ -547,6 +614,62 @@ def test_rows_on_a_mesh_answer_as_on_one_device(golden_target, golden_dir):
         assert out == plain_generate(tparams, tcfg, [prompt], 24).tokens[0]
 
 
+def start_server(args: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str, Path]:
+    """`infer.serve args` (the demo pair) in its own process, once every program is compiled: (process, url, log)."""
+    port, log = free_port(), tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "infer.serve", "--port", str(port), *args],
+        env=cli_env(tmp_path),
+        cwd=ROOT,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.time() + 300
+    while "programs compiled" not in log.read_text() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None and "programs compiled" in log.read_text(), log.read_text()
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def stream_events(url: str, body: dict, events: list) -> None:
+    """The data of each server-sent event of a streamed completion, appended as it arrives."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body | {"stream": True}, timeout=120) as r:
+        events.extend(line.removeprefix("data: ") for line in r.iter_lines() if line.startswith("data: "))
+
+
+def test_sigterm_drains_the_streams_within_the_grace_and_exits_0(tmp_path):
+    """SIGTERM with two streams running: the short one finishes as it would have, the long one ends at the grace
+    period with an error event and [DONE], and the server exits 0 soon after."""
+    grace = 3.0
+    proc, url, log = start_server(["--max-batch", "2", "--max-len", "1024", "--shutdown-grace", str(grace)], tmp_path)
+    try:
+        short, long = [], []  # 6 tokens, and 1000: over 5 s at the 180 tokens/s one row of this model takes at best
+        streams = [
+            threading.Thread(target=stream_events, args=(url, {"prompt": "Once upon a time", "max_tokens": n}, out))
+            for n, out in ((6, short), (1000, long))
+        ]
+        for t in streams:
+            t.start()
+        deadline = time.time() + 60
+        while not (short and long) and time.time() < deadline:
+            time.sleep(0.01)
+        signalled = time.time()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+        took = time.time() - signalled
+        for t in streams:
+            t.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert code == 0 and grace <= took < grace + 10, (code, took, log.read_text())
+    assert short[-1] == long[-1] == "[DONE]" and "Traceback" not in log.read_text()
+    assert json.loads(short[-2])["choices"][0]["finish_reason"] == "length"
+    error = json.loads(long[-2])["error"]
+    assert error["code"] == "server_shutdown" and error["type"] == "server_error"
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in long[:-2])
+
+
 def two_hosts(args: list[str], tmp_path: Path) -> tuple[list[subprocess.Popen], list[Path]]:
     """`infer.serve args` started as a two-process job on this machine (two CPU devices each)."""
     env = cli_env(tmp_path, devices=2) | {
@@ -610,15 +733,15 @@ def test_two_processes_serve_as_one(served, tmp_path):
             answers = list(pool.map(lambda job: ask(url, *job, model="target", temperature=0), jobs))
         for (question, max_tokens, _), (text, _) in zip(jobs, answers):
             assert text == plain_answer(models, question, max_tokens)
-        body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 200, "stream": True}
+        body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 90, "stream": True}  # 128 cached
         with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=60) as r:
             assert next(r.iter_lines()).startswith("data: ")
         kw = dict(temperature=0.9, top_p=0.95, seed=11)
         assert ask(url, QUESTIONS[1], 24, model="target", **kw) == ask(served[0], QUESTIONS[1], 24, **kw)
         assert httpx.get(f"{url}/health").json()["running_rows"] == 0
         metrics = dict(line.split() for line in httpx.get(f"{url}/metrics").text.splitlines() if line[0] != "#")
-        procs[0].send_signal(signal.SIGTERM)  # uvicorn stops, then re-raises the signal: -15, and process 1 exits 0
-        assert [p.wait(timeout=120) for p in procs] == [-signal.SIGTERM, 0]
+        procs[0].send_signal(signal.SIGTERM)  # process 0 drains and exits 0, and so does process 1
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
         assert "following process 0's engine" in logs[1].read_text()
         cycles, row_cycles, tokens = (
             metrics[f"eagle_jax_{name}"]

@@ -158,6 +158,12 @@ def _compile(program: tuple) -> concurrent.futures.Future:
         return _COMPILED[program]
 
 
+def compiling() -> bool:
+    """Whether a compilation is under way on a worker thread (a process that ends normally waits for it)."""
+    with _COMPILED_LOCK:
+        return any(future.running() for future in _COMPILED.values())
+
+
 def compile_ahead(fn: Any, *args: Any, **static: Any) -> concurrent.futures.Future:
     """The jitted `fn` compiled for arguments shaped (and placed) like `args`, with its static arguments `static`,
     on a worker thread: a future of the executable (called with `args` alone). Asked again, the same future."""

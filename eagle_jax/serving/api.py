@@ -7,8 +7,14 @@ slots and the queue cannot take it, streaming or not). Each prompt becomes a `ba
 thread hands its tokens to an asyncio queue of the request's handler, which detokenises them incrementally,
 applies stop strings (a met stop string cancels the row) and writes OpenAI-format chunks. A client that goes
 away, streaming or not, cancels its rows; their slots are free before the next cycle. Every error is an
-OpenAI error object. Fields the server does not implement (logprobs, tools, response formats, penalties,
-logit bias, echo, best_of, suffix) are refused with a 400 that names them.
+OpenAI error object: input the server cannot take (a value of the wrong type or range, a number too large,
+JSON nested too deeply, text that is not valid Unicode) is a 400 naming the field or the body; a prompt plus
+an explicit `max_tokens` beyond a row's context is a 400 `context_length_exceeded` (without `max_tokens`, the
+default `--max-tokens` is cut to what the context leaves); anything else is a 500 "internal error" with a
+request id, its traceback logged once, and the connection is kept. Fields the server does not implement
+(logprobs, tools, response formats, penalties, logit bias, echo, best_of, suffix) are refused with a 400 that
+names them. On shutdown (`serve`) running requests have a grace period to finish; those cut at its end get
+503 (whole answers) or an error event and `[DONE]` (streams).
 """
 
 from __future__ import annotations
@@ -17,7 +23,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
+import logging
+import math
+import reprlib
 import secrets
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -52,8 +62,17 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "best_of": lambda v: v in (None, 1),
     "suffix": lambda v: v in (None, ""),
 }
+MAX_DIGITS = sys.get_int_max_str_digits() or 4300  # the longest integer a body may hold
+SHUTDOWN = "the server shut down before the answer was complete; retry"
 PROMPT_HELP = "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either"
 ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+
+
+LOG = logging.getLogger(__name__)
+
+
+class ShuttingDown(Exception):
+    """The server's grace period ended before this answer did."""
 
 
 class BadRequest(Exception):
@@ -62,13 +81,9 @@ class BadRequest(Exception):
         self.status, self.param, self.code = status, param, code
 
 
-def error_response(
-    message: str, status: int, param: str | None = None, code: str | None = None, headers: dict | None = None
-) -> JSONResponse:
-    """An OpenAI error object."""
-    if status in (429, 503):
-        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
-    body = {
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict:
+    """An OpenAI error object (a response's body, or a stream's event)."""
+    return {
         "error": {
             "message": message,
             "type": ERROR_TYPES.get(status, "invalid_request_error"),
@@ -76,7 +91,17 @@ def error_response(
             "code": code,
         }
     }
-    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_response(
+    message: str, status: int, param: str | None = None, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    """An OpenAI error object."""
+    if status in (429, 503):
+        headers = {**(headers or {}), "Retry-After": str(RETRY_AFTER_S)}
+    body = error_body(message, status, param, code)
+    # ASCII JSON: a message quoting a client's text renders whatever that text holds
+    return Response(json.dumps(body), status, headers, media_type="application/json")
 
 
 @dataclass(frozen=True)
@@ -101,17 +126,43 @@ class Choice:
     reason: str | None = None  # finish reason, once finished
 
 
+def _shown(value: object) -> str:
+    """A client's value as an error message quotes it: short, whatever its size or depth."""
+    return reprlib.repr(value)
+
+
 def _number(body: dict, name: str, default, kind=float, low=None, high=None, low_open=False):
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or (kind is int and not float(value).is_integer()):
-        raise BadRequest(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {value!r}", param=name)
-    value = kind(value)
+    real = isinstance(value, int | float) and not isinstance(value, bool)
+    if not real or (isinstance(value, float) and not (math.isfinite(value) and (kind is float or value.is_integer()))):
+        kind_name = "an integer" if kind is int else "a finite number"
+        raise BadRequest(f"'{name}' must be {kind_name}, got {_shown(value)}", param=name)
     if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high):
         bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
-        raise BadRequest(f"'{name}' must be {bounds}, got {value}", param=name)
-    return value
+        raise BadRequest(f"'{name}' must be {bounds}, got {_shown(value)}", param=name)
+    return kind(value)  # within its bounds (every float field has an upper one): no overflow
+
+
+def _unicode(text: str, param: str) -> str:
+    """Text the tokenizer can take: refused when it holds a lone surrogate (valid JSON, not valid Unicode)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(
+            f"'{param}' holds a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start}; send valid "
+            "Unicode",
+            param=param,
+        ) from None
+    return text
+
+
+def _json_int(digits: str) -> int:
+    """An integer of the body: beyond Python's digit limit, refused as such (not as an interpreter error)."""
+    if len(digits) > MAX_DIGITS:
+        raise BadRequest(f"the request body holds an integer of {len(digits)} digits; no field takes one")
+    return int(digits)
 
 
 def _seed(seed: int | None) -> int:
@@ -128,14 +179,18 @@ def _is_ids(value: object) -> bool:
 
 
 def _text(content: object, param: str) -> str:
-    """A message's content: a string, or text parts joined by newlines."""
+    """A message's content: a string, or a non-empty list of text parts joined by newlines."""
     if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+        return _unicode(content, param)
+    if (
+        isinstance(content, list)
+        and content
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
     ):
-        return "\n".join(p["text"] for p in content)
-    raise BadRequest(f"'{param}' must be a string or a list of text parts ({{type: text, text}})", param=param)
+        return _unicode("\n".join(p["text"] for p in content), param)
+    raise BadRequest(
+        f"'{param}' must be a string or a non-empty list of text parts ({{type: text, text}})", param=param
+    )
 
 
 def _stop_at(text: str, stops: Sequence[str]) -> int:
@@ -186,6 +241,9 @@ class Api:
         self.max_token_chars = max(map(len, tokenizer.get_vocab()))  # no token covers more characters
         self.max_request_bytes = max_request_bytes or request_bytes_for(engine.max_prompt, self.max_token_chars)
         self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="eagle-jax-tokenizer")
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
+        self.draining = False  # shutting down: new requests get 503
+        self.inflight: set[asyncio.Queue] = set()  # the event queues of the requests being answered
 
     async def read(self, request: Request, chat: bool) -> Parsed:
         """Read, parse and tokenise a request off the event loop."""
@@ -199,6 +257,18 @@ class Api:
                 f"the prompt has at least {-(-chars // self.max_token_chars)} tokens ({chars} characters); this "
                 f"server takes {self.engine.max_prompt}; shorten it",
                 param=param,
+                code="context_length_exceeded",
+            )
+
+    def _check_context(self, prompt: int, max_tokens: int | None, name: str) -> None:
+        """Refuse a prompt and an explicit max_tokens that together outgrow a row's context (no silent clamp)."""
+        context = self.engine.max_prompt + 1  # the cache less what a cycle's tree needs
+        if max_tokens is not None and prompt + max_tokens > context:
+            raise BadRequest(
+                f"this server's context holds {context} tokens, but {_shown(prompt + max_tokens)} were asked for "
+                f"({prompt} in the prompt, {_shown(max_tokens)} in '{name}'); shorten the prompt or lower '{name}' (or "
+                "leave it out: the answer then stops where the context ends)",
+                param=name,
                 code="context_length_exceeded",
             )
 
@@ -229,7 +299,7 @@ class Api:
         ids = []
         for p in prompt:
             if isinstance(p, str) and p:
-                self._check_chars(len(p), "prompt")
+                self._check_chars(len(_unicode(p, "prompt")), "prompt")
                 ids.append(list(self.tok(p).input_ids))
             elif _is_ids(p):
                 if not all(0 <= t < vocab for t in p):
@@ -241,15 +311,19 @@ class Api:
 
     def parse(self, raw: bytes, chat: bool) -> Parsed:
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            body = json.loads(raw, parse_int=_json_int)
+        except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
             raise BadRequest(f"the request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise BadRequest("the request body nests deeper than this server reads") from None
         if not isinstance(body, dict):
             raise BadRequest("the request body must be a JSON object")
         model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise BadRequest(f"'model' must be a string, got {_shown(model)}", param="model")
         if model is not None and model != self.model:
             raise BadRequest(
-                f"the model '{model}' does not exist; this server serves '{self.model}'",
+                f"the model {_shown(model)} does not exist; this server serves '{self.model}'",
                 404,
                 "model",
                 "model_not_found",
@@ -266,12 +340,13 @@ class Api:
             )
         prompts = [self._chat_prompt(body.get("messages"))] if chat else self._text_prompts(body.get("prompt"))
         max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        max_tokens = _number(body, max_name, self.default_max_tokens, int, low=1)
+        max_tokens = _number(body, max_name, None, int, low=1)
+        vocab = self.engine.cfg.tcfg.vocab_size
         try:
             sampling = SamplingConfig(
                 _number(body, "temperature", 1.0, low=0, high=2),
                 _number(body, "top_p", 1.0, low=0, high=1, low_open=True),
-                _number(body, "top_k", 0, int, low=0),
+                min(_number(body, "top_k", 0, int, low=0), vocab),  # k beyond the vocabulary keeps every token
             )
         except EagleError as exc:
             raise BadRequest(str(exc)) from None
@@ -286,18 +361,27 @@ class Api:
             raise BadRequest(
                 f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings", param="stop"
             )
+        stops = tuple(_unicode(s, "stop") for s in stops or ())
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("'stream' must be true or false", param="stream")
-        options = body.get("stream_options") or {}
-        include_usage = bool(isinstance(options, dict) and options.get("include_usage"))
+        options = body.get("stream_options")
+        if options is not None and not (
+            isinstance(options, dict) and options.get("include_usage") in (None, True, False)
+        ):
+            raise BadRequest(
+                "'stream_options' must be an object {include_usage: true or false}", param="stream_options"
+            )
+        include_usage = bool(options and options.get("include_usage"))
+        param = "messages" if chat else "prompt"
         for prompt in prompts:
             try:
-                self.engine.check(prompt, max_tokens)
+                self.engine.check(prompt, max_tokens or 1)
             except EagleError as exc:
-                param = "messages" if chat else "prompt"
                 raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
-        return Parsed(tuple(prompts), max_tokens, sampling, seed, tuple(stops or ()), stream, include_usage)
+            self._check_context(len(prompt), max_tokens, max_name)
+        max_tokens = max_tokens or self.default_max_tokens  # a row stops where its context ends
+        return Parsed(tuple(prompts), max_tokens, sampling, seed, stops, stream, include_usage)
 
     def admit(self, parsed: Parsed) -> tuple[list[Choice], asyncio.Queue]:
         """Queue a row per prompt, all or none (`batcher.QueueFull`), before any response starts. The engine
@@ -320,18 +404,31 @@ class Api:
 
         choices = [Choice(request(i, p)) for i, p in enumerate(parsed.prompts)]
         self.engine.submit(*(c.req for c in choices))
+        self.inflight.add(events)
         return choices, events
+
+    def drain(self, grace: float) -> None:
+        """Shut down: refuse new requests with 503, and end those still running after `grace` seconds."""
+        self.draining = True
+        asyncio.get_running_loop().call_later(grace, self.cut)
+
+    def cut(self) -> None:
+        """End every running request (`deltas` raises `ShuttingDown`)."""
+        for events in self.inflight:
+            events.put_nowait((0, "shutdown", None))
 
     async def deltas(
         self, parsed: Parsed, choices: list[Choice], events: asyncio.Queue
     ) -> AsyncIterator[tuple[int, str, str | None]]:
         """(choice index, text delta, None) as text becomes final, and (index, last delta, finish reason) once
-        per choice; every row is cancelled on the way out (a no-op for finished ones)."""
+        per choice; every row is cancelled on the way out (a no-op for finished ones). `ShuttingDown` when `cut`."""
         decode = lambda ids: self.tok.decode(ids, skip_special_tokens=True)  # noqa: E731
         hold = max((len(s) for s in parsed.stops), default=1) - 1
         try:
             while any(c.reason is None for c in choices):
                 i, kind, value = await events.get()
+                if kind == "shutdown":
+                    raise ShuttingDown
                 c = choices[i]
                 if c.reason is not None:  # a row cancelled by its stop string, still finishing
                     continue
@@ -356,6 +453,7 @@ class Api:
                     yield i, text[c.sent : ready], None
                     c.sent = ready
         finally:
+            self.inflight.discard(events)
             for c in choices:
                 c.req.cancel()
 
@@ -397,13 +495,17 @@ class Api:
         async def stream() -> AsyncIterator[str]:
             if chat:
                 yield chunk(_choice(chat, "delta", {"role": "assistant", "content": ""}, None))
-            async for i, delta, why in self.deltas(parsed, choices, events):
-                if delta:
-                    yield chunk(_choice(chat, "delta", {"content": delta} if chat else delta, None, i))
-                if why:
-                    yield chunk(_choice(chat, "delta", {} if chat else "", why, i))
-            if parsed.include_usage:
-                yield chunk(None, self._usage(parsed, choices))
+            try:
+                async for i, delta, why in self.deltas(parsed, choices, events):
+                    if delta:
+                        yield chunk(_choice(chat, "delta", {"content": delta} if chat else delta, None, i))
+                    if why:
+                        yield chunk(_choice(chat, "delta", {} if chat else "", why, i))
+            except ShuttingDown:
+                yield f"data: {json.dumps(error_body(SHUTDOWN, 503, code='server_shutdown'))}\n\n"
+            else:
+                if parsed.include_usage:
+                    yield chunk(None, self._usage(parsed, choices))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -455,6 +557,53 @@ def metrics_text(engine: batching.Batcher) -> str:
     return "\n".join(lines) + "\n"
 
 
+class InternalErrors:
+    """ASGI middleware: an exception that escapes a route is a 500 "internal error" with a request id (also in the
+    X-Request-Id header), its traceback logged once, here; the connection stays open."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def sending(message: dict) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        except Exception:
+            rid = uuid.uuid4().hex[:16]
+            LOG.exception("request %s (%s %s) failed", rid, scope["method"], scope["path"])
+            if not started:
+                message = f"internal error (request id {rid}); the server's log holds the details"
+                await error_response(message, 500, headers={"X-Request-Id": rid})(scope, receive, send)
+
+
+def serve(app: FastAPI, host: str, port: int, grace: float) -> None:
+    """Serve `app` with uvicorn until SIGINT or SIGTERM. Then it takes no new request, the running ones have `grace`
+    seconds to finish, and those still running are ended (`Api.cut`); returns once all have (a second signal
+    stops at once). The signal is not raised again: a process that returns from here exits 0."""
+    import uvicorn
+
+    api: Api = app.state.api
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit:
+                self.force_exit = True
+            elif api.loop is not None:
+                api.loop.call_soon_threadsafe(api.drain, grace)
+            self.should_exit = True
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace + 5)
+    Server(config).run()
+
+
 def create_app(
     engine: batching.Batcher,
     tokenizer,
@@ -467,6 +616,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        api.loop = asyncio.get_running_loop()
         engine.start()
         yield
         engine.stop()
@@ -474,6 +624,7 @@ def create_app(
 
     app = FastAPI(title="eagle-jax", lifespan=lifespan)
     app.state.api = api
+    app.add_middleware(InternalErrors)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):  # unknown routes (404), wrong methods (405)
@@ -483,17 +634,17 @@ def create_app(
     async def invalid(request: Request, exc: RequestValidationError):
         return error_response(str(exc), 422)
 
-    @app.exception_handler(Exception)
-    async def failed(request: Request, exc: Exception):
-        return error_response(f"the server failed: {type(exc).__name__}: {exc}", 500)
-
     async def handle(request: Request, chat: bool) -> Response:
+        if api.draining:
+            return error_response("the server is shutting down; retry", 503, code="server_shutdown")
         try:
             return await api.respond(await api.read(request, chat), chat, request)
         except BadRequest as exc:
             return error_response(str(exc), exc.status, exc.param, exc.code)
         except batching.QueueFull as exc:
             return error_response(f"the server is busy ({exc}); retry shortly", 429)
+        except ShuttingDown:
+            return error_response(SHUTDOWN, 503, code="server_shutdown")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
