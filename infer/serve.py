@@ -27,7 +27,7 @@ import jax
 from cli import command, demo, envelope, models
 from eagle_jax.decoding import budget as budgets
 from eagle_jax.decoding.speculative import DecodeConfig
-from eagle_jax.decoding.tree import PLAIN, envelope_name
+from eagle_jax.decoding.tree import envelope_name
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
 from eagle_jax.parallel import distributed
@@ -102,11 +102,10 @@ def _main(argv: Sequence[str] | None) -> int:
         tparams,
         dparams,
         DecodeConfig(tcfg, dcfg),
-        measured.for_batch if measured else (lambda n: PLAIN),
+        measured.for_batch if measured else None,
         a.max_batch,
         a.max_len,
         max_queue=a.max_queue,
-        speculate=not a.no_spec,
         mesh=m.mesh,
     )
     names = engine.programs()
@@ -115,11 +114,11 @@ def _main(argv: Sequence[str] | None) -> int:
     log(f"warm-up: compiling {len(names)} programs in the background ({', '.join(names)})")
 
     def compiled() -> None:
-        engine.compiled.wait()
+        engine.engine.compiled.wait()
         log(f"warm-up: {len(names)} programs compiled in {time.perf_counter() - started:.1f} s")
 
     threading.Thread(target=compiled, daemon=True).start()
-    for n, tree in sorted(engine.envelope.items()):
+    for n, tree in sorted(engine.engine.envelope.items()):
         log(f"  up to {n} live row{'s' if n > 1 else ''}: {envelope_name(tree)}")
     if jax.process_index() > 0:  # a multi-host server answers on process 0; the others decode in step with it
         log(f"process {jax.process_index()} of {jax.process_count()}: following process 0's engine")
@@ -131,6 +130,8 @@ def _main(argv: Sequence[str] | None) -> int:
     log(f"serving {target_dir.name} on http://{a.host}:{a.port}/v1")
     api.serve(app, a.host, a.port, a.shutdown_grace)
     log("stopped")
+    if engine.dead:
+        raise EagleError("the engine failed and could not rebuild its rows (the log has why); the server stopped")
     return 0
 
 

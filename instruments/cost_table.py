@@ -34,11 +34,12 @@ from tqdm import tqdm
 
 from cli import command
 from cli.timing import Runner, read_questions
-from eagle_jax.decoding import budget, cost
+from eagle_jax.decoding import budget
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, envelope_name, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
+from instruments import cost
 
 REPO = Path(__file__).resolve().parent.parent
 GOLDEN = REPO / "tests" / "golden"

@@ -15,9 +15,8 @@ Per prompt it also records, from one more untimed run, the new token ids and the
         [--kind auto|eagle3|eagle1] [--threads 2] [--json OUT]
 
 This script is standalone: it imports neither eagle_jax nor anything else from this repository, and runs under
-the official code's own environment. Threads: with 2 threads, other work on the same 2 cores made timings 10-50x
-slower and erratic (torch's OpenMP workers spin; OMP_WAIT_POLICY=PASSIVE avoids that but is 2-4x slower on an idle
-machine). ``--threads 1`` stayed stable under load and was within 10% of 2 threads on an idle machine.
+the official code's own environment. On a shared machine use ``--threads 1`` (results/cost_table/README.md says
+why).
 
 Setting up: fetch SafeAILab/EAGLE at commit cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b (the one the golden data was
 made with) into a folder outside this repository, e.g. ``git archive cb7e084 eagle | tar -x -C /work/scratch/EAGLE``.

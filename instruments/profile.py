@@ -29,12 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from cli import command, demo, models
-from eagle_jax.decoding import cost, profiling, schedule, speculative
+from eagle_jax.decoding import schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, TreeConfig, parse_static
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 from eagle_jax.models import kv_cache, target
+from instruments import cost, profiling
 
 SAMPLING = SamplingConfig()
 

@@ -31,11 +31,11 @@ import jax
 from tqdm import tqdm
 
 from cli import command, plan
-from eagle_jax.decoding import cost
 from eagle_jax.decoding.tree import parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 from eagle_jax.parallel import memory, sharding
+from instruments import cost
 
 TAUS = (3.0, 4.0, 5.0)
 DEFAULT_SETUPS = (

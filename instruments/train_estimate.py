@@ -27,11 +27,11 @@ from pathlib import Path
 from tqdm import tqdm
 
 from cli import command, plan
-from eagle_jax.decoding import cost
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files
 from eagle_jax.parallel import memory, sharding
 from eagle_jax.training import step
+from instruments import cost
 from instruments.tpu_estimate import HBM_GIB, SLICES, compiler_backend, devices_for, parse_setup
 
 DEFAULT_SETUPS = tuple(

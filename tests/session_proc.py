@@ -18,7 +18,7 @@ from eagle_jax.decoding import session, speculative  # noqa: E402
 from eagle_jax.decoding.tree import DynamicTree  # noqa: E402
 from eagle_jax.io import loading  # noqa: E402
 
-PROGRAMS = ("extend", "cycle")  # the session's programs (`Session.programs`: 5/4/1, one chunk, two spans)
+PROGRAMS = ("extend", "cycle")  # the session's decoding programs (`Session.programs` has retire too: 4 in all)
 events: dict[str, list[str]] = {"traced": [], "compiled": []}
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "traced", "/jax/core/compile/backend_compile_duration": "compiled"}
 

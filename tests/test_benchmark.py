@@ -366,8 +366,8 @@ def _whole_cache_copies(compiled, cache: str) -> list[str]:
 
 
 def test_the_cycle_keeps_its_op_census(golden_dir, golden_target):
-    from eagle_jax.decoding import profiling
     from eagle_jax.decoding.tree import DynamicTree
+    from instruments import profiling
 
     compiled, cache = _compiled_cycle(golden_dir, golden_target, DynamicTree(5, 4, 1))
     census = profiling.op_census(compiled)

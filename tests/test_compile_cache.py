@@ -83,7 +83,7 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
     (folder,) = (root / "jax").iterdir()
     assert folder.name.startswith("jax") and "-cpu-" in folder.name, folder
     entries = sorted(folder.glob("executables/*.bin"))
-    assert len(entries) == a["programs"] == 3 and list(folder.glob("jit_run_loop-*-cache")), entries
+    assert len(entries) == a["programs"] == 4 and list(folder.glob("jit_run_loop-*-cache")), entries
 
     again, err = _report(_session(root))
     assert again == {**a, "traced": [], "compiled": []} and loaded(err), err[-3000:]
@@ -101,6 +101,8 @@ def test_a_second_process_loads_what_the_first_compiled(tmp_path):
 def test_a_program_is_keyed_by_what_it_is_made_of(tmp_path, monkeypatch):
     import jax
     import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from eagle_jax.decoding import programs, speculative
 
@@ -112,6 +114,13 @@ def test_a_program_is_keyed_by_what_it_is_made_of(tmp_path, monkeypatch):
     assert len({base, key(speculative.cycle, span=16), key(speculative.extend, span=8)}) == 3
     assert base != key(speculative.cycle, np.zeros((2, 4), np.float32), span=8)
     assert base != key(speculative.cycle, np.zeros((2, 3), np.int32), span=8)
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"))  # one argument's placements on the same eight devices
+    y = np.zeros((8, 8), np.float32)
+    placed = [
+        key(speculative.cycle, jax.device_put(y, NamedSharding(mesh, spec)), span=8)
+        for spec in (P("data"), P("tensor"), P(None, "data"), P())
+    ]
+    assert None not in placed and len({key(speculative.cycle, y, span=8), *placed}) == 5, placed
     assert key(jax.jit(lambda v: v)) is None  # not a module-level function of the package: its closure is unseen
     assert key(speculative.cycle, span=object()) is None  # a static argument with no stable text
 

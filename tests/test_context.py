@@ -73,6 +73,17 @@ def test_graft_merges_shared_prefixes_and_hangs_the_rest_off_the_deepest_shared_
             assert len(kids) == len(set(kids)), (r, node, kids)
 
 
+def test_a_candidate_equal_to_the_roots_token_is_a_new_child_of_the_root():
+    """The root is not its own child: a first candidate with the root's token hangs under the root as a new node
+    (merged with the root, the branch would start one level too shallow)."""
+    tokens = jnp.array([[9, 5, 6], [9, 9, 6]])  # row 1: the head also drafted the root's token under it
+    parents = jnp.array([[0, 0, 0], [0, 0, 0]])
+    candidates = jnp.array([[9, 4], [9, 4]])
+    t, p = jax.device_get(context.graft(tokens, parents, candidates, candidates != NO_TOKEN))
+    assert t[0, 3:].tolist() == [9, 4] and p[0, 3:].tolist() == [0, 3]  # a chain from the root: 9 -> 4
+    assert t[1, 3:].tolist() == [NO_TOKEN, 4] and p[1, 4] == 1  # 9 merges with the head's node 1, not the root
+
+
 def test_context_envelopes_size_their_cycles():
     chain = DynamicTree(5, 4, 1, context=7)
     assert (chain.num_nodes, chain.max_depth, chain.path_len, chain.is_chain) == (12, 7, 8, False)

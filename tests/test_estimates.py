@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from eagle_jax.decoding import budget, cost
+from eagle_jax.decoding import budget
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, parse_envelopes
 from eagle_jax.errors import EagleError
-from instruments import cost_table, head_race, tpu_estimate
+from instruments import cost, cost_table, head_race, tpu_estimate
 
 CHIP = cost.Chip("test", peak_flops=100.0, hbm_bandwidth=10.0)
 

@@ -358,13 +358,13 @@ def test_usage_stops_at_the_token_that_completes_the_stop_string(served):
 
 def slow_cycles(monkeypatch, engine, seconds: float) -> None:
     """Every cycle of the engine takes `seconds` longer (rows stay busy long enough to watch them)."""
-    cycle = engine._cycle
+    cycle = engine.engine.cycle
 
-    def slow(*args, **kw):
+    def slow():
         time.sleep(seconds)
-        return cycle(*args, **kw)
+        return cycle()
 
-    monkeypatch.setattr(engine, "_cycle", slow)
+    monkeypatch.setattr(engine.engine, "cycle", slow)
 
 
 def wait_idle(engine, seconds: float) -> bool:
@@ -486,7 +486,7 @@ def test_a_seeded_sample_is_the_same_drafted_or_not(golden_target, golden_dir):
         head = (dparams, dcfg) if tree == PLAIN or tree.needs_head else (None, None)
         cfg = DecodeConfig(tcfg, head[1])
         engine = batcher.Batcher(tparams, head[0], cfg, lambda n, t=tree: t, slots=2, capacity=256, chunks=(32,))
-        assert (engine.dparams is None) == (not tree.needs_head)  # no tree grows from the head
+        assert (engine.engine.dparams is None) == (not tree.needs_head)  # no tree grows from the head
         for seed, sc in ((3, SamplingConfig(0.8, 0.9, 0)), (4, SamplingConfig(1.0, 1.0, 20))):
             out: list[int] = []
             engine.submit(batcher.Request(prompt, 40, sc, seed, out.extend, lambda why: None))
@@ -503,7 +503,8 @@ def test_cycles_compute_the_live_rows_and_compile_nothing_after_warm_up(golden_t
     tcfg, tparams = golden_target
     dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
     engine = batcher.Batcher(tparams, dparams, DecodeConfig(tcfg, dcfg), envelope, slots=8, capacity=128)
-    assert sorted(engine.envelope) == [1, 2, 4, 8] and [engine.bucket(n) for n in (1, 2, 3, 5)] == [1, 2, 4, 8]
+    assert sorted(engine.engine.envelope) == [1, 2, 4, 8]
+    assert [engine.engine.bucket(n) for n in (1, 2, 3, 5)] == [1, 2, 4, 8]
     engine.warm_up()
     warm = len(compiles)
     prompts = [list(range(5, 40)), list(range(100, 112)), list(range(300, 360)), [7, 8, 9] * 5]
@@ -640,13 +641,16 @@ def stream_events(url: str, body: dict, events: list) -> None:
 def test_sigterm_drains_the_streams_within_the_grace_and_exits_0(tmp_path):
     """SIGTERM with two streams running: the short one finishes as it would have, the long one ends at the grace
     period with an error event and [DONE], and the server exits 0 soon after."""
-    grace = 3.0
-    proc, url, log = start_server(["--max-batch", "2", "--max-len", "1024", "--shutdown-grace", str(grace)], tmp_path)
+    grace = 1.0
+    proc, url, log = start_server(["--max-batch", "2", "--max-len", "2048", "--shutdown-grace", str(grace)], tmp_path)
     try:
-        short, long = [], []  # 6 tokens, and 1000: over 5 s at the 180 tokens/s one row of this model takes at best
+        # 6 tokens, and 2000: about 7 s greedy on two cores (several times the grace on any machine); greedy, so
+        # that neither ends early by drawing an end of sequence
+        short, long = [], []
+        body = {"prompt": "Once upon a time", "temperature": 0}
         streams = [
-            threading.Thread(target=stream_events, args=(url, {"prompt": "Once upon a time", "max_tokens": n}, out))
-            for n, out in ((6, short), (1000, long))
+            threading.Thread(target=stream_events, args=(url, body | {"max_tokens": n}, out))
+            for n, out in ((6, short), (2000, long))
         ]
         for t in streams:
             t.start()

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from eagle_jax.decoding import engine as engines
 from eagle_jax.decoding import programs, session, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, StaticTree
@@ -25,19 +26,19 @@ def pair(golden_target, golden_dir):
 
 
 def test_chunk_plan():
-    assert session.chunk_plan(1, (256, 32)) == [32]
-    assert session.chunk_plan(32, (256, 32)) == [32]
-    assert session.chunk_plan(300, (256, 32)) == [256, 32, 32]
-    assert session.chunk_plan(600, (256, 32)) == [256, 256, 32, 32, 32]
-    assert session.chunk_plan(200, (256,)) == [256]
-    assert sum(session.chunk_plan(1000, (64, 8))) >= 1000
+    assert engines.chunk_plan(1, (256, 32)) == [32]
+    assert engines.chunk_plan(32, (256, 32)) == [32]
+    assert engines.chunk_plan(300, (256, 32)) == [256, 32, 32]
+    assert engines.chunk_plan(600, (256, 32)) == [256, 256, 32, 32, 32]
+    assert engines.chunk_plan(200, (256,)) == [256]
+    assert sum(engines.chunk_plan(1000, (64, 8))) >= 1000
 
 
 def test_common_prefix():
-    assert session.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert session.common_prefix([1, 2], [1, 2, 3]) == 2
-    assert session.common_prefix([], [1]) == 0
-    assert session.common_prefix([7], [1]) == 0
+    assert engines.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert engines.common_prefix([1, 2], [1, 2, 3]) == 2
+    assert engines.common_prefix([], [1]) == 0
+    assert engines.common_prefix([7], [1]) == 0
 
 
 def _conversation(talk, first_len, turns, new, rng, seed_base=0):
@@ -68,14 +69,20 @@ def _check_cache_lengths(talk: session.Session, prompt: int, answer: list[int], 
     assert [int(n[0]) for n in lengths] == [prompt + committed] * len(lengths)
 
 
-@pytest.mark.parametrize("tree", [TREE, StaticTree(((0,), (1,), (0, 0), (0, 0, 0))), PLAIN], ids=str)
-def test_turns_equal_decoding_from_scratch(pair, tree):
+@pytest.mark.parametrize(
+    "tree, stream",
+    [(TREE, True), (StaticTree(((0,), (1,), (0, 0), (0, 0, 0))), True), (PLAIN, True), (TREE, False)],
+    ids=str,
+)
+def test_turns_equal_decoding_from_scratch(pair, tree, stream):
     """Each turn's answer equals generating the whole conversation from scratch, while the caches keep all
-    but the last token of what they already held (the earlier prompts and answers)."""
+    but the last token of what they already held (the earlier prompts and answers); streamed cycle by cycle or
+    decoded in on-device loops alike."""
     tparams, tcfg, dparams, dcfg = pair
     talk = session.Session(
-        tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=CAPACITY, chunks=(64, 16)
+        tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), CAPACITY, (64, 16), stream=stream
     )
+    assert talk.programs()[-1].startswith("cycle" if stream and tree.drafts else "decode loop")
     prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
     for prompt, answer, accepted in zip(prompts, answers, accepts):
         # the head drafts from the same context too: the same cycles accept the same drafts
@@ -131,7 +138,7 @@ def test_nothing_compiles_after_warm_up(pair, compiles, tree):
     """Prompts from 10 to 1900 tokens and several turns each run only the warmed programs."""
     tparams, tcfg, dparams, dcfg = pair
     talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=2048)
-    assert len(talk.programs()) == len(session.CHUNKS) + len(talk.spans) == 2 + 5
+    assert len(talk.programs()) == len(session.CHUNKS) + len(talk.spans) + 1 == 2 + 5 + 1  # and retire
     talk.warm_up()
     before = len(compiles)
     jax.jit(lambda x: x * 3 + 1)(np.float32(2))  # a new program: the listener sees compilations
@@ -155,7 +162,7 @@ def test_the_first_turn_waits_only_for_its_own_programs(pair, compiles):
     prompt = list(range(20, 90))
     answer = [t for piece in talk.reply(prompt, 16) for t in piece]
     talk.compiled.wait()
-    assert len(compiles) - before == len(talk.programs()) == 2 + 3, compiles[before:]
+    assert len(compiles) - before == len(talk.programs()) == 2 + 3 + 1, compiles[before:]
     assert answer == speculative.generate(tparams, dparams, [prompt], 16, cfg, capacity=384).tokens[0]
 
 
@@ -227,3 +234,20 @@ def test_sessions_on_a_mesh_equal_one_device(pair):
     rng = np.random.default_rng(4)
     assert _conversation(one, 30, 2, 12, rng)[1] == _conversation(split, 30, 2, 12, np.random.default_rng(4))[1]
     assert jax.device_count() >= 2
+
+
+class FailsOnce(Gated):
+    """A compilation that fails the first time (a compiler error, memory), then succeeds."""
+
+    def compile(self):
+        self.compiled += 1
+        if self.compiled == 1:
+            raise RuntimeError("compiler failed")
+        return lambda *args: ("compiled", len(args))
+
+
+def test_a_failed_compilation_is_tried_again_when_asked_again():
+    fn, ahead = FailsOnce(), programs.Precompiled()
+    with pytest.raises(RuntimeError, match="compiler failed"):
+        ahead("p", fn, np.ones(5))
+    assert ahead("p", fn, np.ones(5)) == ("compiled", 1) and fn.compiled == 2

@@ -95,7 +95,7 @@ def test_the_optimiser_is_v1s(torch_or_skip):
         opt.step()
         sched.step()
 
-    optimizer = step.make_optimizer(peak, warmup, steps, kind="eagle1")
+    optimizer = step.make_optimizer(peak, warmup, steps, recipe=step.EAGLE1_RECIPE)
     params = {"w": jnp.asarray(w0)}
     state = optimizer.init(params)
     for g in grads:

@@ -151,9 +151,11 @@ def _executable(program: tuple) -> jax.stages.Compiled:
 
 
 def _compile(program: tuple) -> concurrent.futures.Future:
-    """The future of a program's executable: the one under way or done, else (never asked, or cancelled) a new one."""
+    """The future of a program's executable: the one under way or done, else (never asked, cancelled or failed) a
+    new one."""
     with _COMPILED_LOCK:
-        if program not in _COMPILED or _COMPILED[program].cancelled():
+        known = _COMPILED.get(program)
+        if known is None or known.cancelled() or (known.done() and known.exception() is not None):
             _COMPILED[program] = _COMPILER.submit(_executable, program)
         return _COMPILED[program]
 
@@ -178,17 +180,16 @@ class Precompiled:
         self._programs: dict[str, tuple] = {}
         self._ready: dict[str, Any] = {}
 
-    def submit(self, name: str, fn: Any, *args: Any, **static: Any) -> None:
+    def submit(self, name: str, fn: Any, *args: Any, **static: Any) -> concurrent.futures.Future:
         if name not in self._programs:
             self._programs[name] = _program(fn, args, static)
-        _compile(self._programs[name])
+        return _compile(self._programs[name])
 
     def __call__(self, name: str, fn: Any, *args: Any, **static: Any) -> Any:
         """fn(*args, **static) with the program compiled for `name`."""
         executable = self._ready.get(name)
         if executable is None:
-            self.submit(name, fn, *args, **static)
-            executable = self._ready[name] = _compile(self._programs[name]).result()
+            executable = self._ready[name] = self.submit(name, fn, *args, **static).result()
         return executable(*args)
 
     def wait(self) -> None:

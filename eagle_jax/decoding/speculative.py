@@ -9,7 +9,7 @@ attention spans (`schedule.run_segments`); `stream` drives the same jitted cycle
 terminal output. The compiled programs depend on the tree envelope and the sampling rule (static).
 
 Plain decoding is the same engine with `tree.PLAIN` (a tree of the root alone) and no head: each cycle
-verifies the root, which is one decode step (measured: the same time per token as a dedicated step loop).
+verifies the root, which is one decode step.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     return functools.reduce(jnp.maximum, _lengths(s)) + tree.cache_overhead
 
 
-def _cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None) -> tuple[SpecState, Tree]:
+def one_cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None) -> tuple[SpecState, Tree]:
     """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
     running row's `slots_needed`). Returns the new state and this cycle's tree.
 
@@ -450,8 +450,8 @@ def cycle(
     """One jitted cycle (the streaming path) of every row, or of `rows` [R] (distinct int32) only: a server's live
     rows cost what R rows cost, and the others are left as they are."""
     if rows is None:
-        return _cycle(tparams, dparams, state, cfg, span)
-    part, tr = _cycle(tparams, dparams, take_rows(state, rows), cfg, span)
+        return one_cycle(tparams, dparams, state, cfg, span)
+    part, tr = one_cycle(tparams, dparams, take_rows(state, rows), cfg, span)
     return put_rows(state, part, rows), tr
 
 
@@ -487,7 +487,7 @@ def run_loop(tparams, dparams, state: SpecState, cfg: DecodeConfig, span: int | 
     def go_on(s: SpecState) -> jax.Array:
         return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, cfg.tree) <= span))
 
-    return jax.lax.while_loop(go_on, lambda s: _cycle(tparams, dparams, s, cfg, span)[0], state)
+    return jax.lax.while_loop(go_on, lambda s: one_cycle(tparams, dparams, s, cfg, span)[0], state)
 
 
 run_span = jax.jit(run_loop, static_argnames=("cfg", "span"), donate_argnames=("state",))

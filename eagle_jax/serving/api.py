@@ -75,6 +75,10 @@ class ShuttingDown(Exception):
     """The server's grace period ended before this answer did."""
 
 
+class EngineFailed(Exception):
+    """A row of the request ended with the engine's failure (its traceback is in the log)."""
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
         super().__init__(message)
@@ -432,6 +436,8 @@ class Api:
                 c = choices[i]
                 if c.reason is not None:  # a row cancelled by its stop string, still finishing
                     continue
+                if kind == "finish" and value == "error":
+                    raise EngineFailed
                 if kind == "finish":
                     c.reason = "length" if value == "length" else "stop"
                     yield i, decode(c.ids)[c.sent :], c.reason
@@ -477,6 +483,8 @@ class Api:
             try:
                 async for i, delta, _ in self.deltas(parsed, choices, events):
                     texts[i] += delta
+            except EngineFailed:
+                return error_response(internal_error(rid), 500)
             finally:
                 watch.cancel()
             parts = [
@@ -503,12 +511,19 @@ class Api:
                         yield chunk(_choice(chat, "delta", {} if chat else "", why, i))
             except ShuttingDown:
                 yield f"data: {json.dumps(error_body(SHUTDOWN, 503, code='server_shutdown'))}\n\n"
+            except EngineFailed:
+                yield f"data: {json.dumps(error_body(internal_error(rid), 500))}\n\n"
             else:
                 if parsed.include_usage:
                     yield chunk(None, self._usage(parsed, choices))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+def internal_error(rid: str) -> str:
+    """What a request that failed inside the server is told (the log has the traceback, once)."""
+    return f"internal error (request id {rid}); the server's log holds the details"
 
 
 def _choice(chat: bool, part: str, content: dict | str, reason: str | None, index: int = 0) -> dict:
@@ -528,6 +543,10 @@ def metrics_text(engine: batching.Batcher) -> str:
         f"eagle_jax_requests_finished_total {s.finished}",
         "# TYPE eagle_jax_requests_rejected_total counter",
         f"eagle_jax_requests_rejected_total {s.rejected}",
+        "# TYPE eagle_jax_requests_dropped_total counter",
+        f"eagle_jax_requests_dropped_total {s.dropped}",
+        "# TYPE eagle_jax_requests_failed_total counter",
+        f"eagle_jax_requests_failed_total {s.failed}",
         "# TYPE eagle_jax_prompt_tokens_total counter",
         f"eagle_jax_prompt_tokens_total {s.prompt_tokens}",
         "# TYPE eagle_jax_prompt_tokens_kept_total counter",
@@ -580,8 +599,7 @@ class InternalErrors:
             rid = uuid.uuid4().hex[:16]
             LOG.exception("request %s (%s %s) failed", rid, scope["method"], scope["path"])
             if not started:
-                message = f"internal error (request id {rid}); the server's log holds the details"
-                await error_response(message, 500, headers={"X-Request-Id": rid})(scope, receive, send)
+                await error_response(internal_error(rid), 500, headers={"X-Request-Id": rid})(scope, receive, send)
 
 
 def serve(app: FastAPI, host: str, port: int, grace: float) -> None:
@@ -601,7 +619,9 @@ def serve(app: FastAPI, host: str, port: int, grace: float) -> None:
             self.should_exit = True
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace + 5)
-    Server(config).run()
+    server = Server(config)
+    api.engine.on_dead = lambda: setattr(server, "should_exit", True)  # a supervisor restarts the process
+    server.run()
 
 
 def create_app(
@@ -645,6 +665,8 @@ def create_app(
             return error_response(f"the server is busy ({exc}); retry shortly", 429)
         except ShuttingDown:
             return error_response(SHUTDOWN, 503, code="server_shutdown")
+        except batching.EngineError as exc:  # dead: the process is ending
+            return error_response(str(exc), 503)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -660,6 +682,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        if engine.dead:  # the engine could not rebuild its rows after a failure: the process is ending
+            return error_response("the engine failed and could not rebuild its rows", 503)
         return {"status": "ok", "running_rows": engine.live, "queued_rows": engine.waiting}
 
     @app.get("/metrics")

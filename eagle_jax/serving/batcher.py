@@ -1,51 +1,50 @@
-"""Continuous batching of speculative rows: a fixed number of row slots decoded together, one cycle at a time.
+"""Continuous batching of speculative rows: a waiting queue and admission on top of a `decoding.engine.Engine`.
 
-One engine thread owns the device state (`speculative.SpecState` with per-row sampling controls, fixed
-capacity). Between cycles it brings waiting requests into free slots with the chunked prefill of
-`speculative.extend` (computed on that slot's row alone), and runs one cycle on the live rows only: their
-count rounded up to a bucket (a power of two, or every slot), with the tree envelope the measured budget
-chose for that many rows (`PLAIN`, plain decoding that keeps the head's context, where no tree wins), over
-the attention span the live rows need. One live row among eight slots costs one row's cycle, as in the
-budget's calibration. Each row gets its new tokens; a finished, stopped or cancelled row frees its slot at
-once. A free slot keeps its caches: a new request sharing a prefix with what a slot last held (the next turn
-of a conversation) prefills only the rest.
+The engine owns the rows (a fixed number of slots with per-row sampling, fixed capacity), their programs and the
+envelope for each number of live rows; one engine thread drives it. Between cycles the thread brings waiting
+requests into free slots (each the one whose caches share most with its prompt: the next turn of a conversation
+prefills only the rest), then runs one cycle of the live rows. Each row gets its new tokens; a finished, stopped or
+cancelled row frees its slot at once. A waiting request whose client goes away leaves the queue at once.
 
-Every program the loop can run is compiled by `warm_up`, ahead of time on worker threads: one `extend` per chunk
-size, one cycle per (bucket, span), and the program that retires rows. Nothing compiles afterwards.
+When the engine fails (a program raises), the traceback is logged once, the requests whose rows were running or
+being admitted end with reason "error", and the engine takes new work on rebuilt rows: requests still waiting in
+the queue stay there and run on them. Where the rows cannot be rebuilt, every waiting request ends with "error"
+too, the batcher is `dead` (the server answers /health with 503) and `on_dead` is called (the server exits).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import json
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import Mesh
 
-from eagle_jax.decoding import programs, schedule, session, speculative
-from eagle_jax.decoding.rows import RowControls
+from eagle_jax.decoding import engine as engines
+from eagle_jax.decoding.engine import EngineError
 from eagle_jax.decoding.sampling import SamplingConfig
-from eagle_jax.decoding.tree import PLAIN, TreeConfig
+from eagle_jax.decoding.speculative import DecodeConfig
+from eagle_jax.decoding.tree import TreeConfig
 from eagle_jax.errors import EagleError
-from eagle_jax.parallel import distributed, sharding
+from eagle_jax.parallel import distributed
 
-STATIC_SAMPLING = SamplingConfig()  # unused by rows with controls; one value keeps one program per shape
+log = logging.getLogger(__name__)
 
 
 class QueueFull(Exception):
     """The waiting queue is at its limit; retry later."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # one request is one object: queued twice, it is two
 class Request:
-    """A generation request. `on_tokens(new ids)` and `on_finish(reason)` are called from the engine thread;
-    reason is "stop" (an eos id), "length" (its budget or the cache) or "cancelled"."""
+    """A generation request. `on_tokens(new ids)` and `on_finish(reason)` are called from the engine thread (a
+    waiting request cancelled: from the cancelling one); reason is "stop" (an eos id), "length" (its budget or the
+    cache), "cancelled" or "error" (the engine failed)."""
 
     prompt: list[int]
     max_tokens: int
@@ -55,10 +54,14 @@ class Request:
     on_finish: Callable[[str], None]
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    on_cancel: Callable[[Request], None] = dataclasses.field(default=lambda req: None, repr=False, compare=False)
 
     def cancel(self) -> None:
-        """Stop generating (a client went away or a stop string was met); the slot is freed before the next cycle."""
-        self.cancelled = True
+        """Stop generating (a client went away or a stop string was met): a waiting request leaves the queue at
+        once, a running row is freed before the next cycle."""
+        if not self.cancelled:
+            self.cancelled = True
+            self.on_cancel(self)
 
 
 @dataclasses.dataclass
@@ -68,6 +71,8 @@ class Stats:
     requests: int = 0
     finished: int = 0
     rejected: int = 0
+    dropped: int = 0  # cancelled while waiting
+    failed: int = 0  # ended by a failure of the engine
     prompt_tokens: int = 0
     kept_tokens: int = 0
     generated_tokens: int = 0
@@ -122,20 +127,6 @@ class SlotChanges:
         return slots * (capacity * 8 + 256) + 64
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def retire(state: speculative.SpecState, rows: jax.Array) -> speculative.SpecState:
-    """Mark rows [B] bool as done (their slots become free)."""
-    return dataclasses.replace(state, done=state.done | rows)
-
-
-def buckets(slots: int, mesh: Mesh | None) -> tuple[int, ...]:
-    """The row counts a cycle is compiled for: powers of two below `slots`, and `slots`. On a mesh that splits
-    the rows over devices every cycle runs every row (gathering rows would move them between devices)."""
-    if mesh is not None and sharding.data_parallelism(mesh) > 1:
-        return (slots,)
-    return (*(1 << k for k in range((slots - 1).bit_length()) if 1 << k < slots), slots)
-
-
 def check_hosts(mesh: Mesh | None) -> None:
     """A server on several processes decodes on one mesh over all their devices."""
     if distributed.is_multi_host() and mesh is None:
@@ -146,64 +137,44 @@ def check_hosts(mesh: Mesh | None) -> None:
 
 
 class Batcher:
-    """Row slots, a waiting queue and the engine thread that decodes them."""
+    """A waiting queue, admission and the engine thread on top of an `Engine` of `slots` rows."""
 
     def __init__(
         self,
         tparams: dict,
         dparams: dict | None,
-        cfg: speculative.DecodeConfig,
-        envelopes: Callable[[int], TreeConfig],
+        cfg: DecodeConfig,
+        envelopes: Callable[[int], TreeConfig] | None = None,
         slots: int = 8,
         capacity: int = 2048,
-        chunks: Sequence[int] = session.CHUNKS,
+        chunks: Sequence[int] = engines.CHUNKS,
         max_queue: int = 64,
-        speculate: bool = True,
         mesh: Mesh | None = None,
     ):
-        tcfg, dcfg = cfg.tcfg, cfg.dcfg
-        if capacity > tcfg.rope.max_position_embeddings:
-            raise EagleError(
-                f"{capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it", "capacity"
-            )
-        self.slots, self.capacity, self.chunks, self.max_queue = slots, capacity, tuple(chunks), max_queue
-        self.envelope = {n: envelopes(n) if speculate else PLAIN for n in buckets(slots, mesh)}  # rows -> tree
-        if not any(t.needs_head for t in self.envelope.values()):  # no tree grows from the head: leave it out
-            dparams = dcfg = None
-        self.tparams, self.dparams = tparams, dparams
-        # each request samples as it asks (per-row controls) and each cycle takes its envelope's tree
-        self.cfg = speculative.DecodeConfig(tcfg, dcfg, PLAIN, STATIC_SAMPLING)
-        self.overhead = max(t.cache_overhead for t in self.envelope.values())
+        """`envelopes(n)`: the tree for n live rows (default `cfg.tree`, plain decoding unless it says otherwise);
+        each request samples as it asks."""
         check_hosts(mesh)
+        self.engine = engines.Engine(tparams, dparams, cfg, slots, capacity, chunks, envelopes, per_row=True, mesh=mesh)
+        self.slots, self.capacity, self.max_queue = slots, capacity, max_queue
         self.multi_host = distributed.is_multi_host()
-        dtype = tparams["embed"].dtype
-
-        def empty() -> speculative.SpecState:
-            state = speculative.empty_state(self.cfg, slots, capacity, dtype)
-            return dataclasses.replace(state, controls=RowControls.of([STATIC_SAMPLING] * slots, [0] * slots))
-
-        if mesh is None:
-            self.state = empty()
-        else:  # parameters are placed by their loader; the rows' state splits over data too (made in place)
-            sharding.check_mesh(mesh, tcfg, dcfg, slots)
-            self.state = jax.jit(empty, out_shardings=programs.spec_state_shardings(tcfg, dcfg, mesh, per_row=True))()
-        self.rows: list[Request | None] = [None] * slots
-        self.shown = np.zeros(slots, np.int64)  # tokens already handed to each row's request
-        self.cached: list[list[int]] = [[] for _ in range(slots)]  # what each slot's caches hold
         self.queue: collections.deque[Request] = collections.deque()
         self.claimed = 0  # requests taken from the queue for free slots, not yet admitted
         self.wake = threading.Condition()
         self.stats = Stats()
         self.running = False
+        self.dead = False
+        self.on_dead: Callable[[], None] = lambda: None  # called once when the engine cannot rebuild its rows
         self.thread: threading.Thread | None = None
-        self.compiled = programs.Precompiled()
 
-    # ------------------------------------------------------------ requests
+    @property
+    def cfg(self) -> DecodeConfig:
+        return self.engine.cfg
 
     @property
     def max_prompt(self) -> int:
-        """The longest prompt a row can take (its cache holds the prompt, one token and a cycle's tree)."""
-        return self.capacity - self.overhead - 1
+        return self.engine.max_prompt
+
+    # ------------------------------------------------------------ requests
 
     def check(self, prompt: Sequence[int], max_tokens: int) -> None:
         """Refuse a request that can never run (the caller turns this into a 400)."""
@@ -223,18 +194,33 @@ class Batcher:
         for req in reqs:
             self.check(req.prompt, req.max_tokens)
         with self.wake:
-            taken = sum(r is not None and not r.cancelled for r in self.rows) + self.claimed  # cancelled: free
+            if self.dead:
+                raise EngineError("the engine failed and could not rebuild its rows", dead=True)
+            rows = self.engine.rows
+            taken = sum(r.running and not r.owner.cancelled for r in rows) + self.claimed  # cancelled: free
             room = self.max_queue + self.slots - taken - len(self.queue)
             if len(reqs) > room:
                 self.stats.rejected += len(reqs)
                 raise QueueFull(f"{len(self.queue)} requests are waiting and every slot is taken")
+            for req in reqs:
+                req.on_cancel = self._cancelled
             self.queue.extend(reqs)
             self.stats.requests += len(reqs)
             self.wake.notify()
 
+    def _cancelled(self, req: Request) -> None:
+        """A cancelled request leaves the queue at once (it never ran: not counted as finished); a running one is
+        retired before the next cycle."""
+        with self.wake:
+            if req in self.queue:
+                self.queue.remove(req)
+                self.stats.dropped += 1
+                req.on_finish("cancelled")
+            self.wake.notify()
+
     @property
     def live(self) -> int:
-        return sum(r is not None for r in self.rows)
+        return len(self.engine.live)
 
     @property
     def waiting(self) -> int:
@@ -243,10 +229,7 @@ class Batcher:
     # ------------------------------------------------------------ programs
 
     def programs(self) -> list[str]:
-        spans = schedule.all_spans(self.capacity)
-        cycles = [f"cycle {t} rows {n} span {s}" for n, t in self.envelope.items() for s in spans]
-        names = [f"extend {c}" for c in self.chunks] + cycles
-        return names + ["retire"] + [f"broadcast {n} bytes" for n in self._message_sizes()]
+        return self.engine.programs() + [f"broadcast {n} bytes" for n in self._message_sizes()]
 
     def _message_sizes(self) -> list[int]:
         """The sizes plans travel as between the processes of a multi-host server (none on one)."""
@@ -256,124 +239,87 @@ class Batcher:
         return [distributed.MIN_MESSAGE << k for k in range((largest // distributed.MIN_MESSAGE).bit_length())]
 
     def warm_up(self, wait: bool = True) -> float:
-        """Compile every program the loop can run, ahead of time on worker threads (nothing runs); with `wait`,
-        until all are compiled (else a cycle waits for its own). Returns the seconds taken."""
+        """Compile every program the loop can run (`Engine.warm_up`) and, on several processes, exchange a plan of
+        each size once. Returns the seconds taken."""
         t0 = time.perf_counter()
-        for size in self.chunks:
-            piece = session.Piece(0, np.ones(size, np.int32), np.ones(size, np.int32), size, True)
-            args = self._feed_args(0, piece, 1, RowControls.of([STATIC_SAMPLING], [0]))
-            self.compiled.submit(f"extend {size}", speculative.extend, *args, cfg=self.cfg)
-        for n, tree in self.envelope.items():
-            for span in schedule.all_spans(self.capacity):
-                name, args, static = self._cycle_call(tree, span, list(range(n)))
-                self.compiled.submit(name, speculative.cycle, *args, **static)
-        self.compiled.submit("retire", retire, self.state, np.zeros(self.slots, bool))
-        self._outputs()
+        self.engine.warm_up(wait=False)
         for size in self._message_sizes():  # collectives: in one order on every process
             distributed.broadcast(bytes(size))
         if wait:
-            self.compiled.wait()
+            self.engine.compiled.wait()
         return time.perf_counter() - t0
 
-    def _feed_args(self, slot: int, piece: session.Piece, limit: int, controls: RowControls) -> tuple:
-        """`speculative.extend`'s arguments that feed a piece of a prompt into one slot's row (`controls`: its)."""
-        start, n, limits, rows = (np.asarray([x], np.int32) for x in (piece.start, piece.n, limit, slot))
-        fed = (start, piece.tokens[None], piece.follow[None], n, np.asarray([piece.final]), limits)
-        return (self.tparams, self.dparams, self.state, *fed, jax.random.key(0), controls, rows)
-
-    def bucket(self, live: int) -> int:
-        """The rows a cycle computes for `live` live rows."""
-        return min(b for b in self.envelope if b >= live)
-
-    def _cycle_call(self, tree: TreeConfig, span: int, live: list[int]) -> tuple[str, tuple, dict]:
-        """(name, arguments, static arguments) of `speculative.cycle` on the live rows, padded with idle ones to a
-        bucket (every slot: the whole state)."""
-        n = self.bucket(len(live))
-        idle = [s for s in range(self.slots) if s not in live]
-        rows = None if n == self.slots else np.asarray(sorted(live + idle[: n - len(live)]), np.int32)
-        static = {"cfg": dataclasses.replace(self.cfg, tree=tree), "span": span}
-        return f"cycle {tree} rows {n} span {span}", (self.tparams, self.dparams, self.state, rows), static
-
-    def _cycle(self, tree: TreeConfig, span: int, live: list[int]) -> speculative.SpecState:
-        name, args, static = self._cycle_call(tree, span, live)
-        return self.compiled(name, speculative.cycle, *args, **static)[0]
-
     # ------------------------------------------------------------ the loop
-
-    def _admit(self, req: Request, slot: int) -> None:
-        """Prefill a request into a free slot (keeping what the slot's caches share with its prompt)."""
-        keep = session.reusable(self.cached[slot], req.prompt)
-        limit = min(req.max_tokens, self.capacity - self.overhead - len(req.prompt))
-        controls = RowControls.of([req.sampling], [req.seed])
-        for piece in session.pieces(req.prompt, keep, self.chunks):
-            args = self._feed_args(slot, piece, limit, controls)
-            self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
-        self.rows[slot], self.shown[slot], self.cached[slot] = req, 0, list(req.prompt)
-        self.stats.prompt_tokens += len(req.prompt)
-        self.stats.kept_tokens += keep
-
-    def _finish(self, slot: int, reason: str) -> None:
-        req = self.rows[slot]
-        self.rows[slot] = None
-        self.stats.finished += 1
-        req.on_finish(reason)
 
     def plan(self) -> SlotChanges:
         """Decide what happens before the next cycle: cancelled rows go, waiting requests take the free slots
         (each the one whose caches share most with its prompt). Host-only: the queue and the rows."""
-        cancel = tuple(s for s, r in enumerate(self.rows) if r is not None and r.cancelled)
-        free = [s for s, r in enumerate(self.rows) if r is None or s in cancel]
+        rows = self.engine.rows
+        cancel = tuple(s for s, r in enumerate(rows) if r.running and r.owner.cancelled)
+        free = [s for s, r in enumerate(rows) if not r.running or s in cancel]
         admit = []
-        while self.queue and free:
-            with self.wake:
+        with self.wake:
+            while self.queue and free:
                 req = self.queue.popleft()
-                self.claimed += not req.cancelled
-            if req.cancelled:
-                req.on_finish("cancelled")
-                continue
-            slot = max(free, key=lambda s: session.common_prefix(self.cached[s], req.prompt))
-            free.remove(slot)
-            admit.append(Admission(slot, req))
+                self.claimed += 1
+                slot = max(free, key=lambda s: engines.common_prefix(rows[s].cached, req.prompt))
+                free.remove(slot)
+                admit.append(Admission(slot, req))
         return SlotChanges(cancel, tuple(admit))
 
     def apply(self, plan: SlotChanges) -> bool:
         """Carry out a plan, run one cycle, hand out tokens. Returns False when no row was running."""
-        if plan.cancel:
-            self.state = self.compiled("retire", retire, self.state, np.isin(np.arange(self.slots), plan.cancel))
-            for slot in plan.cancel:
-                self._finish(slot, "cancelled")
-        for a in plan.admit:
-            self._admit(a.request, a.slot)
-            with self.wake:
-                self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
-        live = [s for s, r in enumerate(self.rows) if r is not None]
-        if not live:
-            return False
-        tree = self.envelope[self.bucket(len(live))]
-        needed = speculative.host_slots_needed(self.state, tree)
-        span = schedule.attention_span(int(needed[live].max()), self.capacity)
-        t0 = time.perf_counter()
-        self.state = self._cycle(tree, span, live)
-        counts, done, eos, out = self._outputs()
+        pending = [a.request for a in plan.admit]  # claimed, not yet being admitted
+        try:
+            for req in self.engine.cancel(plan.cancel):
+                self._finish(req, "cancelled")
+            for a in plan.admit:
+                req = pending.pop(0)
+                kept = self.engine.admit(a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req)
+                with self.wake:
+                    self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
+                self.stats.prompt_tokens += len(req.prompt)
+                self.stats.kept_tokens += kept
+            if not self.engine.live:
+                return False
+            t0 = time.perf_counter()
+            steps = self.engine.cycle()
+        except EngineError as exc:
+            self._failed(exc, pending)
+            return True
         self.stats.cycle_seconds += time.perf_counter() - t0
         self.stats.cycles += 1
-        for slot in live:
-            req = self.rows[slot]
-            new = out[slot, self.shown[slot] : counts[slot]].tolist()
+        for step in steps:
             self.stats.row_cycles += 1
-            self.stats.accept_histogram[max(0, len(new) - 1)] += 1
-            if new:
-                self.shown[slot] = counts[slot]
-                self.cached[slot] += new
-                self.stats.generated_tokens += len(new)
-                req.on_tokens(new)
-            if done[slot]:
-                self._finish(slot, "stop" if eos[slot] else "length")
+            self.stats.accept_histogram[max(0, len(step.tokens) - 1)] += 1
+            if step.tokens:
+                self.stats.generated_tokens += len(step.tokens)
+                step.owner.on_tokens(step.tokens)
+            if step.finish:
+                self._finish(step.owner, step.finish)
         return True
 
-    def _outputs(self) -> tuple[np.ndarray, ...]:
-        s = self.state
-        return distributed.host_value((s.counts, s.done, s.eos, s.out))
+    def _finish(self, req: Request, reason: str) -> None:
+        self.stats.finished += 1
+        req.on_finish(reason)
+
+    def _failed(self, exc: EngineError, unadmitted: list[Request]) -> None:
+        """The engine failed: its rows' requests end with "error"; requests claimed but not yet admitted wait again
+        (at the queue's front), unless the engine is dead: then every waiting request ends too."""
+        log.error("%s", exc, exc_info=exc.__cause__)
+        with self.wake:
+            self.claimed = max(0, self.claimed - len(unadmitted))
+            self.queue.extendleft(reversed(unadmitted))
+            ended = list(exc.owners)
+            if exc.dead:
+                self.dead, self.running = True, False
+                ended += list(self.queue)
+                self.queue.clear()
+        for req in ended:
+            self.stats.failed += 1
+            req.on_finish("error")
+        if exc.dead:
+            self.on_dead()
 
     def step(self) -> bool:
         """SlotChanges, carry it out (every process of a multi-host server does: process 0 sends it), one cycle."""
@@ -389,8 +335,8 @@ class Batcher:
         jax.distributed.shutdown()  # together with process 0's engine
 
     def run(self) -> None:
-        """The engine loop (runs until `stop`; idle, it steps every half second, which keeps a multi-host
-        server's other processes listening)."""
+        """The engine loop (runs until `stop` or the engine's death; idle, it steps every half second, which keeps
+        a multi-host server's other processes listening)."""
         while self.running:
             if not self.step():
                 with self.wake:

@@ -30,31 +30,58 @@ from eagle_jax.training import objective
 PyTree = Any
 
 
-def lr_schedule(peak: float, warmup: int, steps: int, kind: str = "eagle3") -> optax.Schedule:
-    """EAGLE-3: linear warmup to `peak` over `warmup` updates (the first update already uses peak/warmup), then
-    cosine to 0 at `steps`. EAGLE-1: linear warmup from 0 (the first update uses lr 0), then linear to 0 at
-    `steps`."""
+def _decay_progress(count: jax.Array, warmup: int, steps: int) -> jax.Array:
+    """How far past the warm-up an update is, 0 at its end to 1 at `steps`."""
+    return jnp.clip((count - warmup) / max(steps - warmup, 1), 0.0, 1.0)
+
+
+def warmup_cosine(peak: float, warmup: int, steps: int) -> optax.Schedule:
+    """EAGLE-3's: linear warm-up to `peak` over `warmup` updates (the first update already uses peak/warmup), then
+    cosine to 0 at `steps`."""
 
     def schedule(count: jax.Array) -> jax.Array:
         count = jnp.asarray(count, jnp.float32)
-        progress = jnp.clip((count - warmup) / max(steps - warmup, 1), 0.0, 1.0)
-        if kind == "eagle1":
-            return jnp.where(count < warmup, peak * count / max(warmup, 1), peak * (1 - progress))
         warm = peak * (count + 1) / max(warmup, 1)
-        return jnp.where(count < warmup, warm, 0.5 * peak * (1 + jnp.cos(math.pi * progress)))
+        return jnp.where(
+            count < warmup, warm, 0.5 * peak * (1 + jnp.cos(math.pi * _decay_progress(count, warmup, steps)))
+        )
 
     return schedule
 
 
+def warmup_linear(peak: float, warmup: int, steps: int) -> optax.Schedule:
+    """EAGLE-1's (v1, `get_linear_schedule_with_warmup`): linear warm-up from 0 (the first update uses lr 0), then
+    linear to 0 at `steps`."""
+
+    def schedule(count: jax.Array) -> jax.Array:
+        count = jnp.asarray(count, jnp.float32)
+        return jnp.where(
+            count < warmup, peak * count / max(warmup, 1), peak * (1 - _decay_progress(count, warmup, steps))
+        )
+
+    return schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """An upstream optimiser recipe: AdamW betas (0.9, 0.95) with this learning-rate schedule (peak, warmup, steps),
+    gradient clip and weight decay."""
+
+    schedule: Callable[[float, int, int], optax.Schedule]
+    clip: optax.GradientTransformation
+    weight_decay: float
+
+
+EAGLE3_RECIPE = Recipe(warmup_cosine, optax.clip_by_global_norm(0.5), 0.0)
+EAGLE1_RECIPE = Recipe(warmup_linear, optax.clip(0.5), 0.01)  # each gradient clipped; torch's default decay
+
+
 def make_optimizer(
-    lr: float, warmup: int, steps: int, grad_accum: int = 1, kind: str = "eagle3"
+    lr: float, warmup: int, steps: int, grad_accum: int = 1, recipe: Recipe = EAGLE3_RECIPE
 ) -> optax.GradientTransformation:
-    """Upstream's recipe for the head kind: EAGLE-3 clip 0.5 by global norm, AdamW betas (0.9, 0.95), wd 0;
-    EAGLE-1 (v1) clip each gradient to +-0.5, AdamW betas (0.9, 0.95), wd 0.01. MultiSteps accumulates
-    grad_accum micro-batches."""
-    clip, decay = (optax.clip(0.5), 0.01) if kind == "eagle1" else (optax.clip_by_global_norm(0.5), 0.0)
-    inner = optax.chain(clip, optax.adamw(lr_schedule(lr, warmup, steps, kind), b1=0.9, b2=0.95, weight_decay=decay))
-    return optax.MultiSteps(inner, every_k_schedule=grad_accum).gradient_transformation()
+    """The head's optimiser by `recipe`; MultiSteps accumulates grad_accum micro-batches."""
+    adamw = optax.adamw(recipe.schedule(lr, warmup, steps), b1=0.9, b2=0.95, weight_decay=recipe.weight_decay)
+    return optax.MultiSteps(optax.chain(recipe.clip, adamw), every_k_schedule=grad_accum).gradient_transformation()
 
 
 @dataclasses.dataclass(frozen=True)

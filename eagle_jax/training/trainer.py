@@ -35,7 +35,15 @@ from eagle_jax.models.config import DraftConfig, TargetConfig, eagle1_head_like,
 from eagle_jax.models.params import init_params
 from eagle_jax.parallel import sharding
 from eagle_jax.training import data, features, loop, objective
-from eagle_jax.training.step import Shardings, lr_schedule, make_optimizer, make_shardings, make_train_step
+from eagle_jax.training.step import (
+    EAGLE1_RECIPE,
+    EAGLE3_RECIPE,
+    Recipe,
+    Shardings,
+    make_optimizer,
+    make_shardings,
+    make_train_step,
+)
 
 DEFAULT_DRAFT_VOCAB = 32000
 # Flags that fix the data order, model and optimiser trajectory: a resumed run must repeat them.
@@ -185,10 +193,12 @@ def measure_tau(
 
 @dataclasses.dataclass(frozen=True)
 class HeadKind:
-    """What a head kind supplies to a run: its fresh head, the target rows a step from stored features reads, the
-    model flops of a micro-batch, its own metrics fields and summary, and its curves' labels."""
+    """What a head kind supplies to a run: its fresh head, its optimiser recipe, the target rows a step from stored
+    features reads, the model flops of a micro-batch, its own metrics fields and summary, and its curves' labels.
+    (Its objective is its head's: `make_train_step` follows the head config's kind.)"""
 
     name: str
+    recipe: Recipe
     fresh: Callable[[RunConfig, TargetConfig], DraftConfig]
     stored: tuple[str, ...]
     flops: Callable[[RunConfig, DraftConfig, np.ndarray, int], float]  # (run, head, lengths [B], loss tokens)
@@ -203,6 +213,7 @@ def _joined(acc: list[float]) -> str:
 
 EAGLE3 = HeadKind(
     name="eagle3",
+    recipe=EAGLE3_RECIPE,
     fresh=lambda rc, tcfg: eagle3_head_like(tcfg, rc.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, tcfg.vocab_size)),
     stored=features.STORED,
     flops=lambda rc, dcfg, lengths, readouts: objective.ttt_flops(dcfg, rc.ttt_steps, lengths, readouts),
@@ -215,6 +226,7 @@ EAGLE3 = HeadKind(
 )
 EAGLE1 = HeadKind(
     name="eagle1",
+    recipe=EAGLE1_RECIPE,
     fresh=lambda rc, tcfg: eagle1_head_like(tcfg),
     stored=("hidden",),
     flops=lambda rc, dcfg, lengths, readouts: objective.eagle1_flops(dcfg, lengths, readouts),
@@ -337,7 +349,7 @@ class HeadRun:
             "acc": acc,
             **self.kind.fields(micro, acc),
             "grad_norm": float(np.mean([m["grad_norm"] for m in micro])),
-            "lr": float(lr_schedule(rc.lr, rc.warmup_steps, rc.steps, self.kind.name)(done - 1)),
+            "lr": float(self.kind.recipe.schedule(rc.lr, rc.warmup_steps, rc.steps)(done - 1)),
             "tokens_per_s": interval.tokens / interval.seconds,
             "head_flops_per_s": interval.flops / interval.seconds,
             "of_peak": interval.flops / interval.seconds / self.peak,
@@ -385,7 +397,7 @@ def train(rc: RunConfig) -> dict:
     maps = vocab_map(rc, out, src.examples, dcfg, init_map)
 
     compute_dtype = jnp.bfloat16 if rc.bf16 else jnp.float32
-    optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum, kind.name)
+    optimizer = make_optimizer(rc.lr, rc.warmup_steps, rc.steps, rc.grad_accum, kind.recipe)
     sh = make_shardings(tcfg, dcfg, optimizer, mesh)
     # from a store the step reads only the target's readout; the whole target only measures the real tau
     tparams = loading.load_target(rc.target, compute_dtype, mesh, progress=True)[1] if prompts or src.online else None

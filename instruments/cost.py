@@ -1,6 +1,7 @@
-"""What one speculative cycle and one plain decode step cost, by the compiler's count: lower both on
-abstract parameters and state (shapes, dtypes, shardings; nothing allocated), compile for a mesh's
-devices (virtual CPU devices, or a TPU topology through libtpu without the hardware) and read
+"""What one speculative cycle and one plain decode step cost, by the compiler's count (flops and bytes per device).
+
+Both are lowered on abstract parameters and state (shapes, dtypes, shardings; nothing allocated), compiled for a
+mesh's devices (virtual CPU devices, or a TPU topology through libtpu without the hardware), and read through
 `compiled.cost_analysis()`: flops and bytes accessed per device, and XLA:TPU's own time estimate.
 
 A roofline turns them into times on a chip: max(flops / peak flops, bytes / HBM bandwidth). It leaves
@@ -104,8 +105,8 @@ def cycle_cost(
     dparams = abstract(with_dtype(draft.param_specs(dcfg), dtype), dsh) if dcfg is not None else None
     state = abstract(jax.eval_shape(lambda: speculative.empty_state(cfg, batch, capacity, dtype)), ssh)
 
-    def one_cycle(tp, dp, s):
-        return speculative._cycle(tp, dp, s, cfg, capacity)[0]
+    def one_cycle(tp, dp, s):  # the program's name in the compiler's reports
+        return speculative.one_cycle(tp, dp, s, cfg, capacity)[0]
 
     cycle = jax.jit(one_cycle, in_shardings=(tsh, dsh, ssh), out_shardings=ssh, donate_argnums=(2,))
     reads = device_bytes((tparams, dparams, state.target_cache, state.draft_cache))

@@ -1,0 +1,376 @@
+"""The engine: device rows, the programs that step them, and what lives beside each row on the host.
+
+An `Engine` owns a `speculative.SpecState` of `slots` rows at a fixed cache capacity (laid out on a mesh when one
+is given), the compiled program set and its one warm-up (`programs.Precompiled`: one `extend` per prefill chunk
+size, one cycle per (bucket of live rows, attention span), and `retire`), the envelope (tree) for each number of
+live rows, and a `Row` beside each device row: whom it serves, the tokens its caches hold, the tokens already
+handed out. Its operations: `admit` a prompt into a row (an extend of the row that keeps what its caches already
+share with the prompt), `cycle` the live rows (plain decoding is the cycle with `tree.PLAIN`), `cancel` rows.
+The chat session, the server's batcher, one-shot and streamed generation drive one; none runs a program itself.
+
+Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
+rule of the settings with the key of the seed a row is admitted with (what `speculative.generate` does).
+
+A failure is never silent: when a program raises (compiling or running), the state it was given is gone (its
+buffers are donated), so the engine rebuilds fresh empty rows and raises `EngineError` with the owners of the rows
+that were running or being admitted: each caller ends those with the error. Rows that were free are free again
+(their caches forgotten). When the rebuild fails too, the engine is `dead` and every later operation raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from eagle_jax.decoding import programs, schedule, speculative
+from eagle_jax.decoding.rows import RowControls
+from eagle_jax.decoding.sampling import SamplingConfig
+from eagle_jax.decoding.speculative import DecodeConfig, SpecState
+from eagle_jax.decoding.tree import PLAIN, TreeConfig
+from eagle_jax.errors import EagleError
+from eagle_jax.parallel import distributed, sharding
+
+CHUNKS = (256, 32)  # prefill chunk sizes: long prompts in large chunks, a turn's few new tokens in a small one
+STATIC_SAMPLING = SamplingConfig()  # the static rule of rows with per-row controls: one value, one program per shape
+
+
+def chunk_plan(length: int, chunks: Sequence[int] = CHUNKS) -> list[int]:
+    """Chunk sizes that cover `length` new tokens: the largest size that the rest fills, else the smallest
+    size that holds it."""
+    sizes = sorted(chunks, reverse=True)
+    plan, left = [], length
+    while left > 0:
+        size = next((s for s in sizes if s <= left), None) or min(s for s in sizes if s >= left)
+        plan.append(size)
+        left -= size
+    return plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One chunk of a prompt to feed: tokens [C] (valid up to n), the token after each (the draft's pairs),
+    where it starts in the cache, and whether it is the prompt's last chunk."""
+
+    start: int
+    tokens: np.ndarray  # [C] int32
+    follow: np.ndarray  # [C] int32
+    n: int
+    final: bool
+
+
+def pieces(prompt: Sequence[int], keep: int, chunks: Sequence[int] = CHUNKS) -> list[Piece]:
+    """prompt[keep:] cut into chunks (`chunk_plan`), padded to their sizes."""
+    prompt = list(prompt)
+    out, pos = [], keep
+    for size in chunk_plan(len(prompt) - keep, chunks):
+        piece = prompt[pos : pos + size]
+        after = prompt[pos + 1 : pos + len(piece) + 1]  # the token after each (the root closes the last)
+        tokens, follow = np.zeros(size, np.int32), np.zeros(size, np.int32)
+        tokens[: len(piece)], follow[: len(after)] = piece, after
+        out.append(Piece(pos, tokens, follow, len(piece), pos + size >= len(prompt)))
+        pos += size
+    return out
+
+
+def reusable(cached: Sequence[int], prompt: Sequence[int]) -> int:
+    """How many leading tokens of `prompt` caches holding `cached` can keep: the common prefix less one
+    (the last kept pair must be read again), and at least one prompt token is fed."""
+    return max(0, min(common_prefix(cached, prompt) - 1, len(prompt) - 1))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    differs = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differs[0]) if differs.size else n
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def retire(state: SpecState, rows: jax.Array) -> SpecState:
+    """Mark rows [B] bool as done (their slots become free)."""
+    return dataclasses.replace(state, done=state.done | rows)
+
+
+def buckets(slots: int, mesh: Mesh | None) -> tuple[int, ...]:
+    """The row counts a cycle is compiled for: powers of two below `slots`, and `slots`. On a mesh that splits
+    the rows over devices every cycle runs every row (gathering rows would move them between devices)."""
+    if mesh is not None and sharding.data_parallelism(mesh) > 1:
+        return (slots,)
+    return (*(1 << k for k in range((slots - 1).bit_length()) if 1 << k < slots), slots)
+
+
+@dataclasses.dataclass
+class Row:
+    """The host's side of one device row: whom it serves while it runs, and what its caches hold. Later per-row
+    state (a grammar, a stop rule) belongs here."""
+
+    owner: Any = None  # the caller's handle of the answer being generated (None: the row is free)
+    running: bool = False
+    cached: list[int] = dataclasses.field(default_factory=list)  # token ids the caches hold (positions 0..)
+    shown: int = 0  # tokens of the current answer already handed out
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One live row's outcome of a cycle: its new tokens, and why it ended (None: it goes on)."""
+
+    slot: int
+    owner: Any
+    tokens: list[int]
+    finish: str | None  # "stop" (an eos id) or "length" (its budget or the cache)
+
+
+class EngineError(EagleError):
+    """A program of the engine failed; `owners` are the rows' owners that end with this error. The engine rebuilt
+    its rows (unless `dead`: then it could not, and takes no more work)."""
+
+    def __init__(self, message: str, owners: Sequence[Any] = (), dead: bool = False):
+        super().__init__(message)
+        self.owners, self.dead = tuple(owners), dead
+
+
+def failure(exc: Exception) -> str:
+    """An exception in a line: its class and its message's first line."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+@contextlib.contextmanager
+def failing(owners: Sequence[Any] = ()) -> Iterator[None]:
+    """Programs run (or compile) inside: an exception they raise comes out as `EngineError` for `owners` (the
+    settings' own errors, `EagleError`, as they are)."""
+    try:
+        yield
+    except EagleError:
+        raise
+    except Exception as exc:
+        raise EngineError(f"the engine failed ({failure(exc)})", owners) from exc
+
+
+class Engine:
+    """Device rows, their programs and their host state: admit, cycle, cancel (module docstring)."""
+
+    def __init__(
+        self,
+        tparams: dict,
+        dparams: dict | None,
+        cfg: DecodeConfig,
+        slots: int = 1,
+        capacity: int = 4096,
+        chunks: Sequence[int] = CHUNKS,
+        envelopes: Callable[[int], TreeConfig] | None = None,
+        per_row: bool = False,
+        loop: bool = False,
+        mesh: Mesh | None = None,
+    ):
+        """`envelopes(n)`: the tree for n live rows (default `cfg.tree` for every n). `loop`: cycles of every row
+        run as one on-device loop per attention span (no host round trip per token) instead of one at a time."""
+        tcfg = cfg.tcfg
+        # the static rule draws over the whole batch with one key: its cycles compute every row
+        counts = buckets(slots, mesh) if per_row else (slots,)
+        self.envelope = {n: envelopes(n) if envelopes else cfg.tree for n in counts}  # rows -> tree
+        head = any(t.needs_head for t in self.envelope.values())  # no tree grows from the head: leave it out
+        if head and dparams is None:
+            tree = next(t for t in self.envelope.values() if t.needs_head)
+            raise EagleError(f"the tree {tree} grows from a draft head: give one, or a tree with no head's part")
+        if capacity > tcfg.rope.max_position_embeddings:
+            raise EagleError(
+                f"{capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it", "capacity"
+            )
+        dcfg = cfg.dcfg if head else None
+        self.tparams, self.dparams = tparams, dparams if head else None
+        sampling = STATIC_SAMPLING if per_row else cfg.sampling
+        self.cfg = DecodeConfig(tcfg, dcfg, PLAIN, sampling)  # what `extend` runs with (no tree plays a part)
+        self.settings = {n: dataclasses.replace(self.cfg, tree=t) for n, t in self.envelope.items()}
+        self.slots, self.capacity, self.chunks = slots, capacity, tuple(chunks)
+        self.per_row, self.loop, self.mesh = per_row, loop, mesh
+        self.overhead = max(t.cache_overhead for t in self.envelope.values())
+        if mesh is not None:
+            sharding.check_mesh(mesh, tcfg, dcfg, slots)
+        self.compiled = programs.Precompiled()
+        self.dead = False
+        self.rows = [Row() for _ in range(slots)]
+        self.state = self._empty()
+
+    def _empty(self) -> SpecState:
+        """Every row empty and done (what `extend` feeds prompts into), laid out as the programs take it."""
+        dtype, slots, per_row = self.tparams["embed"].dtype, self.slots, self.per_row
+
+        def empty() -> SpecState:
+            state = speculative.empty_state(self.cfg, slots, self.capacity, dtype)
+            controls = RowControls.of([STATIC_SAMPLING] * slots, [0] * slots) if per_row else None
+            return dataclasses.replace(state, controls=controls)
+
+        if self.mesh is None:
+            return empty()
+        layout = programs.spec_state_shardings(self.cfg.tcfg, self.cfg.dcfg, self.mesh, per_row)
+        return jax.jit(empty, out_shardings=layout)()  # made in place: rows split over data
+
+    # ------------------------------------------------------------ rows
+
+    @property
+    def max_prompt(self) -> int:
+        """The longest prompt a row can take (its cache holds the prompt, one token and a cycle's tree)."""
+        return self.capacity - self.overhead - 1
+
+    @property
+    def live(self) -> list[int]:
+        """The slots of running rows."""
+        return [s for s, r in enumerate(self.rows) if r.running]
+
+    def bucket(self, live: int) -> int:
+        """The rows a cycle computes for `live` live rows."""
+        return min(b for b in self.envelope if b >= live)
+
+    def accept_lengths(self, slot: int) -> list[int]:
+        """Accepted drafts per cycle of a row's current (or last) answer."""
+        return [int(a) for a in distributed.host_value(self.state.accept_lengths)[:, slot] if a >= 0]
+
+    # ------------------------------------------------------------ programs
+
+    @property
+    def spans(self) -> list[int]:
+        return schedule.all_spans(self.capacity)
+
+    def _looped(self, rows: int) -> bool:
+        """Whether a cycle of `rows` live rows runs as an on-device loop (every slot, `loop`)."""
+        return self.loop and rows == self.slots
+
+    def _cycle_call(self, span: int, live: Sequence[int]) -> tuple[str, Any, tuple, dict]:
+        """(name, function, arguments, static arguments) of the program that cycles the live rows, padded with idle
+        ones to a bucket (every slot: the whole state, no row indices)."""
+        n = self.bucket(len(live))
+        cfg, state = self.settings[n], (self.tparams, self.dparams, self.state)
+        static = {"cfg": cfg, "span": span}
+        if self._looped(n):
+            return f"decode loop span {span}", speculative.run_span, state, static
+        idle = [s for s in range(self.slots) if s not in live]
+        rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
+        return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
+
+    def _feed(self, slot: int, piece: Piece, limit: int, sampling: SamplingConfig | None, seed: int) -> tuple:
+        """`speculative.extend`'s arguments that feed a piece of a prompt into one row."""
+        start, n, limits = (np.asarray([x], np.int32) for x in (piece.start, piece.n, limit))
+        rows = None if self.slots == 1 else np.asarray([slot], np.int32)
+        controls = RowControls.of([sampling or STATIC_SAMPLING], [seed]) if self.per_row else None
+        key = jax.random.key(0 if self.per_row else seed)  # per-row keys follow positions (`decoding.rows`)
+        fed = (start, piece.tokens[None], piece.follow[None], n, np.asarray([piece.final]), limits, key)
+        return (self.tparams, self.dparams, self.state, *fed, controls, rows)
+
+    def _calls(self) -> list[tuple[str, Any, tuple, dict]]:
+        """Every program, in the order a first answer needs them: the smallest chunk and span first."""
+        feeds = [Piece(0, np.ones(c, np.int32), np.ones(c, np.int32), c, True) for c in sorted(self.chunks)]
+        extends = [
+            (f"extend {p.n}", speculative.extend, self._feed(0, p, 1, None, 0), {"cfg": self.cfg}) for p in feeds
+        ]
+        cycles = [self._cycle_call(span, range(n)) for n in sorted(self.envelope) for span in self.spans]
+        retiring = ("retire", retire, (self.state, np.zeros(self.slots, bool)), {})
+        return [extends[0], cycles[0], *extends[1:], *cycles[1:], retiring]
+
+    def programs(self) -> list[str]:
+        """The names of the compiled set."""
+        return [name for name, *_ in self._calls()]
+
+    def warm_up(self, wait: bool = True, first: int | None = None) -> float:
+        """Compile the programs the engine can run (the `first` few of them: `programs`), ahead of time on worker
+        threads (nothing runs); with `wait`, until they are compiled (else an operation waits for its own).
+        Returns the seconds taken."""
+        t0 = time.perf_counter()
+        for name, fn, args, static in self._calls()[:first]:
+            self.compiled.submit(name, fn, *args, **static)
+        self._outputs()  # reading rows back (a program of its own on several processes)
+        if wait:
+            self.compiled.wait()
+        return time.perf_counter() - t0
+
+    # ------------------------------------------------------------ operations
+
+    @contextlib.contextmanager
+    def _failing(self, touched: Sequence[int]) -> Iterator[None]:
+        """Run programs; when one raises, rebuild the rows and raise `EngineError` for the touched and live rows."""
+        if self.dead:
+            raise EngineError("the engine failed and could not rebuild its rows", dead=True)
+        owners = [r.owner for s, r in enumerate(self.rows) if r.running or s in touched]
+        try:
+            with failing(owners):
+                yield
+        except EngineError as exc:
+            self.rows = [Row() for _ in range(self.slots)]
+            try:
+                self.state = self._empty()
+            except Exception as again:
+                self.dead = True
+                raise EngineError(f"{exc} and could not rebuild its rows", owners, True) from again
+            raise EngineError(f"{exc}; its rows were rebuilt", owners) from exc.__cause__
+
+    def admit(
+        self,
+        slot: int,
+        prompt: Sequence[int],
+        max_tokens: int,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        owner: Any = None,
+    ) -> int:
+        """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
+        as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
+        with the prompt, the rest is fed in chunks. Returns the prompt tokens kept."""
+        prompt = list(prompt)
+        limit = int(schedule.plan([len(prompt)], max_tokens, self.overhead, self.capacity).limits[0])
+        row = self.rows[slot]
+        keep = reusable(row.cached, prompt)
+        self.rows[slot] = Row(owner, False, [], 0)
+        with self._failing([slot]):
+            for piece in pieces(prompt, keep, self.chunks):
+                args = self._feed(slot, piece, limit, sampling, seed)
+                self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
+        self.rows[slot] = Row(owner, True, prompt, 0)
+        return keep
+
+    def cycle(self) -> list[Step]:
+        """One cycle of the live rows with the envelope for their number, attending over the span they need (plain
+        rows with `loop`: as many cycles as that span holds): each one's new tokens, and its finish when it
+        ended (its row is then free)."""
+        live = self.live
+        if not live:
+            return []
+        with self._failing(live):
+            needed = speculative.host_slots_needed(self.state, self.envelope[self.bucket(len(live))])
+            span = schedule.attention_span(int(needed[live].max()), self.capacity)
+            name, fn, args, static = self._cycle_call(span, live)
+            out = self.compiled(name, fn, *args, **static)
+            self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
+            counts, done, eos, tokens = self._outputs()
+        steps = []
+        for slot in live:
+            row = self.rows[slot]
+            new = tokens[slot, row.shown : counts[slot]].tolist()
+            row.shown, row.cached = int(counts[slot]), row.cached + new
+            finish = ("stop" if eos[slot] else "length") if done[slot] else None
+            steps.append(Step(slot, row.owner, new, finish))
+            if finish:
+                row.owner, row.running = None, False
+        return steps
+
+    def cancel(self, slots: Sequence[int]) -> list[Any]:
+        """End running rows before their answers are done (their caches keep what they hold); their owners."""
+        slots = [s for s in slots if self.rows[s].running]
+        if not slots:
+            return []
+        with self._failing(slots):
+            self.state = self.compiled("retire", retire, self.state, np.isin(np.arange(self.slots), slots))
+        owners = [self.rows[s].owner for s in slots]
+        for s in slots:
+            self.rows[s].owner, self.rows[s].running = None, False
+        return owners
+
+    def _outputs(self) -> tuple[np.ndarray, ...]:
+        s = self.state
+        return distributed.host_value((s.counts, s.done, s.eos, s.out))
