@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import target_logprobs
 
 from eagle_jax.decoding.engine import Engine
 from eagle_jax.decoding.logprobs import TokenLogprobs
@@ -16,7 +16,6 @@ from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree
 from eagle_jax.io import loading
-from eagle_jax.models import target
 
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 K = 5
@@ -100,11 +99,4 @@ def test_logprobs_are_the_targets_log_softmax_over_the_whole_sequence(demo):
             got[step.slot] += step.logprobs
     for prompt, row in zip(prompts, got):
         tokens = [t.token for t in row]
-        seq = jnp.asarray([prompt + tokens], jnp.int32)
-        n = seq.shape[1]
-        cache = target.init_cache(tcfg, 1, n, jnp.float32)
-        logits = target.forward(tparams, tcfg, seq, jnp.arange(n)[None], cache).logits[0]
-        logp = jax.nn.log_softmax(logits[len(prompt) - 1 : n - 1], axis=-1)  # [T, V]: the distribution of each token
-        top, ids = jax.lax.top_k(logp, K)
-        chosen = jnp.take_along_axis(logp, jnp.asarray(tokens)[:, None], axis=1)[:, 0]
-        assert_close(row, tokens, np.asarray(chosen), np.asarray(ids), np.asarray(top))
+        assert_close(row, tokens, *target_logprobs(tparams, tcfg, prompt, tokens, K))
