@@ -657,8 +657,18 @@ def test_loadtest_fault_mode_finds_nothing_wrong(served, monkeypatch, tmp_path, 
         (["--max-len", "100000"], "--max-len"),
         (["--target", "/no/such/model"], "/no/such/model: directory not found"),
         (["--target", str(GOLDEN / "target")], "no draft head"),
+        (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
+        (["--max-logprobs", "5000"], "--max-logprobs 5000 exceeds the target's 4096 tokens"),
     ],
-    ids=["max-batch 0", "port out of range", "max-len above the positions", "missing target", "target without head"],
+    ids=[
+        "max-batch 0",
+        "port out of range",
+        "max-len above the positions",
+        "missing target",
+        "target without head",
+        "max-logprobs below 0",
+        "max-logprobs above the vocabulary",
+    ],
 )
 def test_serve_refuses_bad_flags_in_one_line(args, expected, capsys, tmp_path, monkeypatch):
     from infer import serve
