@@ -16,6 +16,7 @@ from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree
 from eagle_jax.io import loading
+from eagle_jax.serving import batcher
 
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 K = 5
@@ -100,3 +101,16 @@ def test_logprobs_are_the_targets_log_softmax_over_the_whole_sequence(demo):
     for prompt, row in zip(prompts, got):
         tokens = [t.token for t in row]
         assert_close(row, tokens, *target_logprobs(tparams, tcfg, prompt, tokens, K))
+
+
+def test_a_plan_tells_every_process_which_rows_record_logprobs():
+    """A multi-host server's plan (`batcher.SlotChanges`) carries whether each admitted row records logprobs: every
+    process must feed the same rows the same way."""
+    asks = batcher.Request([1, 2], 4, GREEDY, 0, print, print, on_logprobs=print)
+    plain = batcher.Request([3], 4, GREEDY, 0, print, print)
+    plan = batcher.SlotChanges((1,), (batcher.Admission(0, asks), batcher.Admission(2, plain)))
+    back = batcher.SlotChanges.from_bytes(plan.to_bytes())
+    assert [(a.slot, a.request.prompt, a.request.on_logprobs is not None) for a in back.admit] == [
+        (0, [1, 2], True),
+        (2, [3], False),
+    ]
