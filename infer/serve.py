@@ -2,7 +2,7 @@
 
     python -m infer.serve [--target DIR --draft DIR|context | --config PRESET --models DIR] [--host 127.0.0.1]
         [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--max-request-bytes N] [--no-spec]
-        [--dtype fp32] [--mesh data=D,tensor=T] [--shutdown-grace 25]
+        [--max-logprobs 20] [--dtype fp32] [--mesh data=D,tensor=T] [--shutdown-grace 25]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
 /metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
@@ -26,6 +26,7 @@ import jax
 
 from cli import command, demo, envelope, models
 from eagle_jax.decoding import budget as budgets
+from eagle_jax.decoding.logprobs import MAX_TOP
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import envelope_name
 from eagle_jax.errors import EagleError
@@ -75,6 +76,13 @@ def _main(argv: Sequence[str] | None) -> int:
     )
     p.add_argument("--no-spec", action="store_true", help="plain decoding (the head only follows along)")
     p.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_TOP,
+        help="most alternatives per token a request's logprobs may ask (their buffers take max-batch x max-len x "
+        "(1 + 2 N) x 4 bytes); 0 refuses logprobs",
+    )
+    p.add_argument(
         "--shutdown-grace",
         type=float,
         default=SHUTDOWN_GRACE_S,
@@ -82,7 +90,8 @@ def _main(argv: Sequence[str] | None) -> int:
         help="on SIGTERM or Ctrl-C, seconds running requests have to finish before they are ended",
     )
     a = p.parse_args(argv)
-    for name, low in (("max_batch", 1), ("max_len", 1), ("max_queue", 0), ("max_tokens", 1), ("max_request_bytes", 1)):
+    lows = {"max_batch": 1, "max_len": 1, "max_queue": 0, "max_tokens": 1, "max_request_bytes": 1, "max_logprobs": 0}
+    for name, low in lows.items():
         if getattr(a, name) is not None and getattr(a, name) < low:
             raise EagleError(f"--{name.replace('_', '-')} must be >= {low}")
     if not 0 <= a.shutdown_grace <= 3600:
@@ -92,6 +101,8 @@ def _main(argv: Sequence[str] | None) -> int:
     pair = models.choose(a, pair=demo.tiny_pair)
     m = models.load(pair, batcher.check_hosts)
     tcfg, tparams, dcfg, dparams, target_dir, draft_dir = m.tcfg, m.tparams, m.dcfg, m.dparams, pair.target, pair.draft
+    if a.max_logprobs > tcfg.vocab_size:
+        raise EagleError(f"--max-logprobs {a.max_logprobs} exceeds the target's {tcfg.vocab_size} tokens")
     with command.flag("--target"):
         tok = loading.load_tokenizer(target_dir, pair.preset.chat_template if pair.preset else None)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -107,6 +118,7 @@ def _main(argv: Sequence[str] | None) -> int:
         a.max_len,
         max_queue=a.max_queue,
         mesh=m.mesh,
+        logprobs=a.max_logprobs,
     )
     names = engine.programs()
     started = time.perf_counter()

@@ -255,7 +255,7 @@ async def _big_body(client, url: str) -> tuple[str, float, float]:
 MALFORMED = (  # (path, body, status)
     ("/v1/chat/completions", b"{not json", 400),
     ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "hi"}]}', 400),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 21}', 400),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400),  # lone surrogate
     ("/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400),  # nested too deeply
     ("/v1/completions", b'{"prompt": "hi", "seed": 1' + b"0" * 5000 + b"}", 400),  # beyond Python's digits

@@ -22,7 +22,7 @@ openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 from test_train import cli_env  # noqa: E402
-from tiny import plain_generate  # noqa: E402
+from tiny import plain_generate, target_logprobs  # noqa: E402
 
 from eagle_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from eagle_jax.decoding.speculative import DecodeConfig  # noqa: E402
@@ -204,7 +204,9 @@ BAD_REQUESTS = {  # body, status, the field the error names (None: the body)
         400,
         "messages[0].content",
     ),
-    "logprobs": ({"messages": HI, "logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
+    "logprobs not a bool": ({"messages": HI, "logprobs": 1}, 400, "logprobs"),
+    "top_logprobs beyond 20": ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    "top_logprobs without logprobs": ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
     "tools": ({"messages": HI, "tools": [{"type": "function"}], "tool_choice": "required"}, 400, "tools"),
     "json mode": ({"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
 }
@@ -257,12 +259,10 @@ def test_a_prompt_and_max_tokens_beyond_the_context_are_refused_not_clamped(serv
     assert status == 200 and body["usage"]["completion_tokens"] <= context - prompt
 
 
-@pytest.mark.parametrize(
-    "field", ["logprobs", "top_logprobs", "tools", "tool_choice", "response_format", "presence_penalty", "logit_bias"]
-)
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "response_format", "presence_penalty", "logit_bias"])
 def test_fields_the_server_does_not_implement_are_named(served, field):
     url, _, _, _ = served
-    value = {"logprobs": True, "top_logprobs": 3, "tools": [{"type": "function"}], "tool_choice": "required"}
+    value = {"tools": [{"type": "function"}], "tool_choice": "required"}
     value |= {"response_format": {"type": "json_object"}, "presence_penalty": 0.5, "logit_bias": {"1": 5}}
     body = {"messages": [{"role": "user", "content": "hi"}], field: value[field]}
     r = httpx.post(f"{url}/v1/chat/completions", json=body)
@@ -335,6 +335,85 @@ def test_what_openai_accepts_is_accepted(served):
     assert streamed == expected
     r = httpx.post(f"{url}/v1/completions", json={"prompt": [5, tcfg.vocab_size]})
     assert r.status_code == 400 and "outside" in r.json()["error"]["message"]
+
+
+def expected_logprobs(models, prompt: list[int], max_tokens: int, k: int):
+    """Plain greedy decoding's tokens of `prompt` and their logprobs from a direct forward (`tiny.target_logprobs`)."""
+    tcfg, tparams, _ = models
+    tokens = plain_generate(tparams, tcfg, [prompt], max_tokens).tokens[0]
+    return tokens, *target_logprobs(tparams, tcfg, prompt, tokens, k)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_logprobs_are_the_targets_for_each_token(served, stream):
+    """`logprobs` + `top_logprobs` on a chat: each emitted token, its raw logprob and its top alternatives, as a
+    direct target forward of the plain answer gives them; streamed, the chunks carry them as the tokens come."""
+    url, _, models, _ = served
+    tok = models[2]
+    ids = loading.encode_chat(tok, [{"role": "user", "content": QUESTIONS[2]}])
+    tokens, chosen, top_ids, top = expected_logprobs(models, ids, 24, 3)
+    kw = dict(model="demo", messages=[{"role": "user", "content": QUESTIONS[2]}], max_tokens=24, temperature=0)
+    c = client(url)
+    if stream:
+        chunks = [ch.choices[0] for ch in c.chat.completions.create(**kw, logprobs=True, top_logprobs=3, stream=True)]
+        carrying = [ch.logprobs.content for ch in chunks if ch.logprobs is not None]
+        assert len(carrying) > 1  # not all at the end
+        content = [t for part in carrying for t in part]
+    else:
+        r = c.chat.completions.create(**kw, logprobs=True, top_logprobs=3)
+        content = r.choices[0].logprobs.content
+        assert r.usage.completion_tokens == len(content)
+    assert [t.token for t in content] == [tok.decode([i]) for i in tokens]
+    assert all(t.bytes == list(t.token.encode()) for t in content)
+    np.testing.assert_allclose([t.logprob for t in content], chosen, atol=2e-4)
+    for t, expected_ids, expected in zip(content, top_ids, top):
+        assert [a.token for a in t.top_logprobs] == [tok.decode([i]) for i in expected_ids]
+        np.testing.assert_allclose([a.logprob for a in t.top_logprobs], expected, atol=2e-4)
+    assert c.chat.completions.create(**kw).choices[0].logprobs is None  # not asked: none
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completion_logprobs_in_the_legacy_shape(served, stream):
+    """`logprobs: N` on a completion: tokens, token_logprobs, top_logprobs (the N alternatives and the token) and
+    text_offset, continued across a stream's chunks."""
+    url, _, models, _ = served
+    tok = models[2]
+    ids = list(tok("Once upon a time").input_ids)
+    tokens, chosen, top_ids, top = expected_logprobs(models, ids, 16, 2)
+    kw = dict(model="demo", prompt=ids, max_tokens=16, temperature=0, logprobs=2)
+    c = client(url)
+    if stream:
+        parts = [ch.choices[0].logprobs for ch in c.completions.create(**kw, stream=True) if ch.choices]
+        parts = [p for p in parts if p is not None]
+        assert len(parts) > 1
+        got = {f: [x for p in parts for x in getattr(p, f)] for f in ("tokens", "token_logprobs", "top_logprobs")}
+        got["text_offset"] = [x for p in parts for x in p.text_offset]
+    else:
+        lp = c.completions.create(**kw).choices[0].logprobs
+        got = {f: getattr(lp, f) for f in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    texts = [tok.decode([i]) for i in tokens]
+    assert got["tokens"] == texts
+    np.testing.assert_allclose(got["token_logprobs"], chosen, atol=2e-4)
+    assert got["text_offset"] == [sum(map(len, texts[:j])) for j in range(len(texts))]
+    for alternatives, t, lp, expected_ids, expected in zip(got["top_logprobs"], texts, chosen, top_ids, top):
+        want = {tok.decode([i]): v for i, v in zip(expected_ids, expected)} | {t: lp}
+        assert alternatives.keys() == want.keys()
+        np.testing.assert_allclose([alternatives[key] for key in want], list(want.values()), atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "logprobs": -1}, "logprobs"),
+        ({"prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"prompt": "hi", "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
+def test_bad_completion_logprobs_are_refused(served, body, param):
+    r = httpx.post(f"{served[0]}/v1/completions", json=body)
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == param, error
 
 
 def test_usage_stops_at_the_token_that_completes_the_stop_string(served):
@@ -578,8 +657,18 @@ def test_loadtest_fault_mode_finds_nothing_wrong(served, monkeypatch, tmp_path, 
         (["--max-len", "100000"], "--max-len"),
         (["--target", "/no/such/model"], "/no/such/model: directory not found"),
         (["--target", str(GOLDEN / "target")], "no draft head"),
+        (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
+        (["--max-logprobs", "5000"], "--max-logprobs 5000 exceeds the target's 4096 tokens"),
     ],
-    ids=["max-batch 0", "port out of range", "max-len above the positions", "missing target", "target without head"],
+    ids=[
+        "max-batch 0",
+        "port out of range",
+        "max-len above the positions",
+        "missing target",
+        "target without head",
+        "max-logprobs below 0",
+        "max-logprobs above the vocabulary",
+    ],
 )
 def test_serve_refuses_bad_flags_in_one_line(args, expected, capsys, tmp_path, monkeypatch):
     from infer import serve

@@ -109,3 +109,16 @@ def plain_generate(
     return speculative.generate(
         params, None, prompts, max_new_tokens, speculative.DecodeConfig(cfg, None, PLAIN, sampling), **kw
     )
+
+
+def target_logprobs(params: dict, cfg: TargetConfig, prompt: list[int], tokens: list[int], k: int):
+    """Raw logprobs of `tokens` following `prompt` from one causal forward of the whole sequence: the chosen ones [T]
+    and the top-k ids and logprobs [T, k] (numpy)."""
+    seq = jnp.asarray([prompt + tokens], jnp.int32)
+    n = seq.shape[1]
+    cache = target.init_cache(cfg, 1, n, jnp.float32)
+    logits = target.forward(params, cfg, seq, jnp.arange(n)[None], cache).logits[0]
+    logp = jax.nn.log_softmax(logits[len(prompt) - 1 : n - 1], axis=-1)  # [T, V]: the distribution of each token
+    top, ids = jax.lax.top_k(logp, k)
+    chosen = jnp.take_along_axis(logp, jnp.asarray(tokens)[:, None], axis=1)[:, 0]
+    return np.asarray(chosen), np.asarray(ids), np.asarray(top)

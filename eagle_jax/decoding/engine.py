@@ -30,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from eagle_jax.decoding import logprobs as lps
 from eagle_jax.decoding import programs, schedule, speculative
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -115,6 +116,7 @@ class Row:
     running: bool = False
     cached: list[int] = dataclasses.field(default_factory=list)  # token ids the caches hold (positions 0..)
     shown: int = 0  # tokens of the current answer already handed out
+    logprobs: bool = False  # the current answer records its tokens' logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,7 @@ class Step:
     owner: Any
     tokens: list[int]
     finish: str | None  # "stop" (an eos id) or "length" (its budget or the cache)
+    logprobs: list[lps.TokenLogprobs] | None = None  # one per new token, for a row admitted with `logprobs`
 
 
 class EngineError(EagleError):
@@ -187,7 +190,7 @@ class Engine:
         dcfg = cfg.dcfg if head else None
         self.tparams, self.dparams = tparams, dparams if head else None
         sampling = STATIC_SAMPLING if per_row else cfg.sampling
-        self.cfg = DecodeConfig(tcfg, dcfg, PLAIN, sampling)  # what `extend` runs with (no tree plays a part)
+        self.cfg = DecodeConfig(tcfg, dcfg, PLAIN, sampling, cfg.logprobs)  # what `extend` runs with (no tree)
         self.settings = {n: dataclasses.replace(self.cfg, tree=t) for n, t in self.envelope.items()}
         self.slots, self.capacity, self.chunks = slots, capacity, tuple(chunks)
         self.per_row, self.loop, self.mesh = per_row, loop, mesh
@@ -210,7 +213,7 @@ class Engine:
 
         if self.mesh is None:
             return empty()
-        layout = programs.spec_state_shardings(self.cfg.tcfg, self.cfg.dcfg, self.mesh, per_row)
+        layout = programs.spec_state_shardings(self.cfg.tcfg, self.cfg.dcfg, self.mesh, per_row, self.cfg.logprobs)
         return jax.jit(empty, out_shardings=layout)()  # made in place: rows split over data
 
     # ------------------------------------------------------------ rows
@@ -255,14 +258,16 @@ class Engine:
         rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
         return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
 
-    def _feed(self, slot: int, piece: Piece, limit: int, sampling: SamplingConfig | None, seed: int) -> tuple:
+    def _feed(
+        self, slot: int, piece: Piece, limit: int, sampling: SamplingConfig | None, seed: int, logprobs: bool = False
+    ) -> tuple:
         """`speculative.extend`'s arguments that feed a piece of a prompt into one row."""
         start, n, limits = (np.asarray([x], np.int32) for x in (piece.start, piece.n, limit))
         rows = None if self.slots == 1 else np.asarray([slot], np.int32)
         controls = RowControls.of([sampling or STATIC_SAMPLING], [seed]) if self.per_row else None
         key = jax.random.key(0 if self.per_row else seed)  # per-row keys follow positions (`decoding.rows`)
         fed = (start, piece.tokens[None], piece.follow[None], n, np.asarray([piece.final]), limits, key)
-        return (self.tparams, self.dparams, self.state, *fed, controls, rows)
+        return (self.tparams, self.dparams, self.state, *fed, controls, rows, np.asarray([logprobs]))
 
     def _calls(self) -> list[tuple[str, Any, tuple, dict]]:
         """Every program, in the order a first answer needs them: the smallest chunk and span first."""
@@ -286,6 +291,8 @@ class Engine:
         for name, fn, args, static in self._calls()[:first]:
             self.compiled.submit(name, fn, *args, **static)
         self._outputs()  # reading rows back (a program of its own on several processes)
+        if self.state.logprobs is not None:
+            self._logprobs(0)
         if wait:
             self.compiled.wait()
         return time.perf_counter() - t0
@@ -318,10 +325,14 @@ class Engine:
         sampling: SamplingConfig | None = None,
         seed: int = 0,
         owner: Any = None,
+        logprobs: bool = False,
     ) -> int:
         """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
         as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
-        with the prompt, the rest is fed in chunks. Returns the prompt tokens kept."""
+        with the prompt, the rest is fed in chunks. With `logprobs` (settings that record them), its steps carry its
+        tokens' logprobs. Returns the prompt tokens kept."""
+        if logprobs and not self.cfg.logprobs:
+            raise EagleError("this engine records no logprobs; build it with settings whose `logprobs` is > 0")
         prompt = list(prompt)
         limit = int(schedule.plan([len(prompt)], max_tokens, self.overhead, self.capacity).limits[0])
         row = self.rows[slot]
@@ -329,9 +340,9 @@ class Engine:
         self.rows[slot] = Row(owner, False, [], 0)
         with self._failing([slot]):
             for piece in pieces(prompt, keep, self.chunks):
-                args = self._feed(slot, piece, limit, sampling, seed)
+                args = self._feed(slot, piece, limit, sampling, seed, logprobs)
                 self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
-        self.rows[slot] = Row(owner, True, prompt, 0)
+        self.rows[slot] = Row(owner, True, prompt, 0, logprobs)
         return keep
 
     def cycle(self) -> list[Step]:
@@ -348,13 +359,15 @@ class Engine:
             out = self.compiled(name, fn, *args, **static)
             self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
             counts, done, eos, tokens = self._outputs()
+            recorded = {s: self._logprobs(s) for s in live if self.rows[s].logprobs}
         steps = []
         for slot in live:
             row = self.rows[slot]
             new = tokens[slot, row.shown : counts[slot]].tolist()
+            logprobs = lps.tokens_of(recorded[slot], new, row.shown) if slot in recorded else None
             row.shown, row.cached = int(counts[slot]), row.cached + new
             finish = ("stop" if eos[slot] else "length") if done[slot] else None
-            steps.append(Step(slot, row.owner, new, finish))
+            steps.append(Step(slot, row.owner, new, finish, logprobs))
             if finish:
                 row.owner, row.running = None, False
         return steps
@@ -374,3 +387,7 @@ class Engine:
     def _outputs(self) -> tuple[np.ndarray, ...]:
         s = self.state
         return distributed.host_value((s.counts, s.done, s.eos, s.out))
+
+    def _logprobs(self, slot: int) -> tuple[np.ndarray, ...]:
+        """A row's logprob buffers on the host (`logprobs.row`)."""
+        return distributed.host_value(lps.row(self.state.logprobs, np.int32(slot)))

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from eagle_jax.decoding import executables, speculative
+from eagle_jax.decoding.logprobs import Logprobs
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.speculative import DecodeConfig, SpecResult, SpecState
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig
@@ -53,9 +54,11 @@ def cache_shardings(num_kv_heads: int, mesh: Mesh) -> KVCache:
     return KVCache(_named(mesh, rules, CACHE_AXES), _named(mesh, rules, CACHE_AXES), _named(mesh, rules, BATCH))
 
 
-def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig | None, mesh: Mesh, per_row: bool = False) -> SpecState:
+def spec_state_shardings(
+    tcfg: TargetConfig, dcfg: DraftConfig | None, mesh: Mesh, per_row: bool = False, logprobs: int = 0
+) -> SpecState:
     """The speculative loop state: caches as `cache_shardings`, per-row fields over data, the rest replicated;
-    `per_row`: with per-row sampling controls (a server's batch), also over data."""
+    `per_row`: with per-row sampling controls (a server's batch), also over data; `logprobs`: with their buffers."""
     by_row, by_row_wide, by_step, replicated = (
         _named(mesh, sharding.LOGICAL_RULES, axes) for axes in (BATCH, ("batch", None), (None, "batch"), ())
     )
@@ -75,6 +78,7 @@ def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig | None, mesh: Mes
         accept_lengths=by_step,
         key=replicated,
         controls=RowControls(by_row, by_row, by_row, by_row) if per_row else None,
+        logprobs=Logprobs(by_row, by_row_wide, by_row_wide, by_row_wide) if logprobs else None,
     )
 
 

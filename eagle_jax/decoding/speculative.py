@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle_jax.decoding import acceptance, context, schedule
+from eagle_jax.decoding import logprobs as lps
 from eagle_jax.decoding import rows as rows_sampling
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.emit import PAD_ID, emit
@@ -54,6 +55,7 @@ class SpecState:
     accept_lengths: jax.Array  # [S, B] int32 accepted draft tokens per cycle (-1: row not running)
     key: jax.Array
     controls: RowControls | None = None  # per-row sampling (a server's rows); None: the static setting and `key`
+    logprobs: lps.Logprobs | None = None  # emitted tokens' logprobs (`decoding.logprobs`); None: not recorded
 
 
 _PER_ROW = ("root", "draft_hidden", "history", "out", "counts", "limits", "done", "eos", "controls")  # [B, ...]
@@ -97,6 +99,7 @@ class DecodeConfig:
     dcfg: DraftConfig | None = None
     tree: TreeConfig = PLAIN
     sampling: SamplingConfig = SamplingConfig()
+    logprobs: int = 0  # top alternatives recorded per emitted token for rows that ask (`decoding.logprobs`); 0: none
 
 
 def head_for(cfg: DecodeConfig, dparams) -> tuple[DecodeConfig, dict | None]:
@@ -195,6 +198,7 @@ def extend(
     key,
     controls: RowControls | None = None,
     rows: jax.Array | None = None,
+    logprobs: jax.Array | None = None,
     *,
     cfg: DecodeConfig,
 ) -> SpecState:
@@ -208,15 +212,18 @@ def extend(
     Rows fed nothing (n = 0) are left as they were. With `controls` (per-row sampling, a server's batch) the
     starting rows take their settings and seeds from it (`decoding.rows`: keys follow sequence positions). The tree of
     `cfg` plays no part. With `rows` [R] (distinct int32) only those rows are computed, and the per-row
-    arguments are theirs ([R], [R, C]); the others are left as they are.
+    arguments are theirs ([R], [R, C]); the others are left as they are. With a state that records logprobs, the
+    starting rows record theirs when `logprobs` [B] bool says so (None: every one).
     """
-    args = (start, tokens, next_tokens, n, final, limits, key, controls)
+    args = (start, tokens, next_tokens, n, final, limits, key, controls, logprobs)
     if rows is None:
         return _extend(tparams, dparams, state, *args, cfg)
     return put_rows(state, _extend(tparams, dparams, take_rows(state, rows), *args, cfg), rows)
 
 
-def _extend(tparams, dparams, state: SpecState, start, tokens, next_tokens, n, final, limits, key, controls, cfg):
+def _extend(
+    tparams, dparams, state: SpecState, start, tokens, next_tokens, n, final, limits, key, controls, wanted, cfg
+):
     """`extend` of every row."""
     tcfg, dcfg = cfg.tcfg, cfg.dcfg
     b, c = tokens.shape
@@ -258,6 +265,11 @@ def _extend(tparams, dparams, state: SpecState, start, tokens, next_tokens, n, f
         )
         draft_hidden = jnp.where(fed[:, None], draft_hidden, state.draft_hidden)
     history = _write(state.history, start, tokens, n)
+    recorded = state.logprobs
+    if recorded is not None:  # the root's, at output position 0
+        recorded = lps.start(recorded, starts, wanted)
+        at, first = jnp.zeros_like(start), jnp.zeros((b, 1), jnp.int32)
+        recorded = lps.record(recorded, logits[:, None], first, root[:, None], at, starts.astype(jnp.int32))
     return SpecState(
         target_cache=kv_cache.advance(fwd.cache, n),
         draft_cache=dcache,
@@ -273,6 +285,7 @@ def _extend(tparams, dparams, state: SpecState, start, tokens, next_tokens, n, f
         accept_lengths=jnp.where(starts[None, :], -1, state.accept_lengths),
         key=key,
         controls=controls,
+        logprobs=recorded,
     )
 
 
@@ -294,6 +307,7 @@ def empty_state(cfg: DecodeConfig, batch: int, capacity: int, dtype) -> SpecStat
         cycle=jnp.int32(0),
         accept_lengths=jnp.full((capacity, batch), -1, jnp.int32),
         key=jax.random.key(0),
+        logprobs=lps.empty(batch, capacity, cfg.logprobs) if cfg.logprobs else None,
     )
 
 
@@ -340,19 +354,21 @@ def one_cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | Non
         fwd, choice = forward(tr, write=True)
     else:  # the cache is only read under the cond (written there, XLA would copy it whole): the path, after
         n, width = tree.head_nodes, tr.tokens.shape[1]  # without candidates, only the head's part (or the root)
+        keep_logits = s.logprobs is not None  # logprobs read them after acceptance
 
         def narrow():
             part = Tree(tr.tokens[:, :n], tr.parents[:, :n], tr.depths[:, :n], tr.mask[:, :n, :n])
             fwd, choice = forward(part, write=False)
             pad = lambda a, axis: jnp.pad(a, [(0, width - n if d == axis else 0) for d in range(a.ndim)])  # noqa: E731
-            return pad(fwd.hidden, 1), pad(fwd.features, 1), tuple(pad(a, 3) for a in fwd.new_kv), pad(choice, 1)
+            logits, kv = pad(fwd.logits, 1) if keep_logits else None, tuple(pad(a, 3) for a in fwd.new_kv)
+            return logits, pad(fwd.hidden, 1), pad(fwd.features, 1), kv, pad(choice, 1)
 
         def full():
             fwd, choice = forward(tr, write=False)
-            return fwd.hidden, fwd.features, fwd.new_kv, choice
+            return fwd.logits if keep_logits else None, fwd.hidden, fwd.features, fwd.new_kv, choice
 
-        hidden, features, new_kv, choice = jax.lax.cond(jnp.any(candidates[1][:, 0] & ~s.done), full, narrow)
-        fwd = target.TargetOutput(None, hidden, features, s.target_cache, new_kv)
+        logits, hidden, features, new_kv, choice = jax.lax.cond(jnp.any(candidates[1][:, 0] & ~s.done), full, narrow)
+        fwd = target.TargetOutput(logits, hidden, features, s.target_cache, new_kv)
     return _verify(dparams, s, dcache, tr, fwd, choice, cfg=cfg, span=span, embed=embed), tr
 
 
@@ -414,6 +430,9 @@ def _verify(
             feats = jnp.take_along_axis(_features(dcfg, fwd), path[:, :, None], axis=1)
             new_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
             draft_hidden = jnp.where(running[:, None], new_hidden, s.draft_hidden)
+    recorded = s.logprobs
+    if recorded is not None:  # the target's logprobs after each accepted node: of the accepted drafts and the bonus
+        recorded = lps.record(recorded, fwd.logits, path, pair_tokens, s.counts + 1, commit)
     eos = s.eos | hit_eos
     room = tcache.lengths + tree.cache_overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room
@@ -432,6 +451,7 @@ def _verify(
         accept_lengths=s.accept_lengths.at[s.cycle].set(jnp.where(running, accept_len, -1), mode="drop"),
         key=s.key,
         controls=s.controls,
+        logprobs=recorded,
     )
 
 
@@ -462,6 +482,7 @@ def take_rows(s: SpecState, rows: jax.Array) -> SpecState:
         s,
         target_cache=kv_cache.view(s.target_cache, rows),
         draft_cache=None if s.draft_cache is None else kv_cache.view(s.draft_cache, rows),
+        logprobs=None if s.logprobs is None else lps.view(s.logprobs, rows),
         **{name: pick(getattr(s, name)) for name in _PER_ROW},
         accept_lengths=s.accept_lengths[:, rows],
     )
@@ -474,6 +495,7 @@ def put_rows(s: SpecState, part: SpecState, rows: jax.Array) -> SpecState:
         part,
         target_cache=kv_cache.merge(s.target_cache.lengths, part.target_cache),
         draft_cache=None if s.draft_cache is None else kv_cache.merge(s.draft_cache.lengths, part.draft_cache),
+        logprobs=None if s.logprobs is None else lps.merge(s.logprobs.wanted, part.logprobs),
         **{name: put(getattr(s, name), getattr(part, name)) for name in _PER_ROW},
         accept_lengths=s.accept_lengths.at[:, rows].set(part.accept_lengths),
     )

@@ -12,9 +12,10 @@ JSON nested too deeply, text that is not valid Unicode) is a 400 naming the fiel
 an explicit `max_tokens` beyond a row's context is a 400 `context_length_exceeded` (without `max_tokens`, the
 default `--max-tokens` is cut to what the context leaves); anything else is a 500 "internal error" with a
 request id, its traceback logged once, and the connection is kept. Fields the server does not implement
-(logprobs, tools, response formats, penalties, logit bias, echo, best_of, suffix) are refused with a 400 that
-names them. On shutdown (`serve`) running requests have a grace period to finish; those cut at its end get
-503 (whole answers) or an error event and `[DONE]` (streams).
+(tools, response formats, penalties, logit bias, echo, best_of, suffix) are refused with a 400 that names them.
+Logprobs (chat `logprobs` + `top_logprobs`, completions `logprobs`) are the target's raw ones (`serving.logprobs`);
+each chunk of a stream carries those of the tokens received since the last. On shutdown (`serve`) running requests
+have a grace period to finish; those cut at its end get 503 (whole answers) or an error event and `[DONE]` (streams).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -42,14 +44,13 @@ from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io.loading import encode_chat
 from eagle_jax.serving import batcher as batching
+from eagle_jax.serving import logprobs as logprob_shapes
 
 RETRY_AFTER_S = 1
 MAX_STOPS = 4
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # fields that change an answer and are not implemented: refused unless left at their default
 UNSUPPORTED: dict[str, Callable[[object], bool]] = {
-    "logprobs": lambda v: v in (None, False, 0),
-    "top_logprobs": lambda v: v in (None, 0),
     "tools": lambda v: not v,
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": lambda v: not v,
@@ -117,6 +118,7 @@ class Parsed:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per token when the tokens' logprobs were asked for
 
 
 @dataclass
@@ -128,6 +130,9 @@ class Choice:
     sent: int = 0  # characters of the text already handed out
     tokens: int = 0  # what usage counts: up to the token that completes a stop string
     reason: str | None = None  # finish reason, once finished
+    logprobs: list = field(default_factory=list)  # `TokenLogprobs` of `ids`, when asked for
+    logprobs_sent: int = 0  # of them already handed out
+    chars: int = 0  # characters of the texts of the tokens whose logprobs were handed out (a completion's offsets)
 
 
 def _shown(value: object) -> str:
@@ -248,6 +253,7 @@ class Api:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
         self.draining = False  # shutting down: new requests get 503
         self.inflight: set[asyncio.Queue] = set()  # the event queues of the requests being answered
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i]))  # logprobs' tokens
 
     async def read(self, request: Request, chat: bool) -> Parsed:
         """Read, parse and tokenise a request off the event loop."""
@@ -385,7 +391,28 @@ class Api:
                 raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
             self._check_context(len(prompt), max_tokens, max_name)
         max_tokens = max_tokens or self.default_max_tokens  # a row stops where its context ends
-        return Parsed(tuple(prompts), max_tokens, sampling, seed, stops, stream, include_usage)
+        logprobs = self._logprobs(body, chat)
+        return Parsed(tuple(prompts), max_tokens, sampling, seed, stops, stream, include_usage, logprobs)
+
+    def _logprobs(self, body: dict, chat: bool) -> int | None:
+        """The alternatives per token a request asks logprobs with (chat: `logprobs` true and `top_logprobs`;
+        completions: `logprobs`), bounded by what the engine records; None when it asks none."""
+        most = self.engine.cfg.logprobs
+        if not chat:
+            if body.get("top_logprobs") is not None:
+                raise BadRequest("'top_logprobs' is a chat field; completions take 'logprobs': N", param="top_logprobs")
+            asked = _number(body, "logprobs", None, int, low=0, high=most)
+        else:
+            wants = body.get("logprobs")
+            if wants is not None and not isinstance(wants, bool):
+                raise BadRequest(f"'logprobs' must be true or false, got {_shown(wants)}", param="logprobs")
+            top = _number(body, "top_logprobs", None, int, low=0, high=most)
+            if top is not None and not wants:
+                raise BadRequest("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+            asked = (top or 0) if wants else None
+        if asked is not None and not most:
+            raise BadRequest("this server records no logprobs; leave 'logprobs' out", param="logprobs")
+        return asked
 
     def admit(self, parsed: Parsed) -> tuple[list[Choice], asyncio.Queue]:
         """Queue a row per prompt, all or none (`batcher.QueueFull`), before any response starts. The engine
@@ -404,6 +431,7 @@ class Api:
                 parsed.seed,
                 on_tokens=lambda ids: put("tokens", ids),
                 on_finish=lambda why: put("finish", why),
+                on_logprobs=None if parsed.logprobs is None else lambda lp: put("logprobs", lp),
             )
 
         choices = [Choice(request(i, p)) for i, p in enumerate(parsed.prompts)]
@@ -435,6 +463,9 @@ class Api:
                     raise ShuttingDown
                 c = choices[i]
                 if c.reason is not None:  # a row cancelled by its stop string, still finishing
+                    continue
+                if kind == "logprobs":  # those of the tokens that come next
+                    c.logprobs += value
                     continue
                 if kind == "finish" and value == "error":
                     raise EngineFailed
@@ -473,6 +504,19 @@ class Api:
         prompt, completion = sum(map(len, parsed.prompts)), sum(c.tokens for c in choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    def _lp(self, parsed: Parsed, chat: bool, c: Choice) -> dict | None:
+        """The logprobs of the choice's tokens not yet handed out (up to those usage counts) in its shape, now handed
+        out; None when the request asked none."""
+        if parsed.logprobs is None:
+            return None
+        new = c.logprobs[c.logprobs_sent : c.tokens]
+        c.logprobs_sent += len(new)
+        if chat:
+            return logprob_shapes.chat(new, parsed.logprobs, self.token_text)
+        part = logprob_shapes.completion(new, parsed.logprobs, self.token_text, c.chars)
+        c.chars += sum(map(len, part["tokens"]))
+        return part
+
     async def respond(self, parsed: Parsed, chat: bool, request: Request) -> Response:
         choices, events = self.admit(parsed)  # QueueFull here is a 429, before any byte of the response
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
@@ -488,7 +532,14 @@ class Api:
             finally:
                 watch.cancel()
             parts = [
-                _choice(chat, "message", {"role": "assistant", "content": t} if chat else t, c.reason, i)
+                _choice(
+                    chat,
+                    "message",
+                    {"role": "assistant", "content": t} if chat else t,
+                    c.reason,
+                    i,
+                    self._lp(parsed, chat, c),
+                )
                 for i, (t, c) in enumerate(zip(texts, choices))
             ]
             body = self._body(rid, created, chat, "message", parts)
@@ -505,8 +556,10 @@ class Api:
                 yield chunk(_choice(chat, "delta", {"role": "assistant", "content": ""}, None))
             try:
                 async for i, delta, why in self.deltas(parsed, choices, events):
-                    if delta:
-                        yield chunk(_choice(chat, "delta", {"content": delta} if chat else delta, None, i))
+                    c = choices[i]
+                    if delta or (parsed.logprobs is not None and c.logprobs_sent < c.tokens):
+                        lp = self._lp(parsed, chat, c)
+                        yield chunk(_choice(chat, "delta", {"content": delta} if chat else delta, None, i, lp))
                     if why:
                         yield chunk(_choice(chat, "delta", {} if chat else "", why, i))
             except ShuttingDown:
@@ -526,11 +579,13 @@ def internal_error(rid: str) -> str:
     return f"internal error (request id {rid}); the server's log holds the details"
 
 
-def _choice(chat: bool, part: str, content: dict | str, reason: str | None, index: int = 0) -> dict:
-    """One choice: a chat message or delta (`part`), or a completion's text."""
+def _choice(
+    chat: bool, part: str, content: dict | str, reason: str | None, index: int = 0, logprobs: dict | None = None
+) -> dict:
+    """One choice: a chat message or delta (`part`), or a completion's text; with its tokens' logprobs."""
     if chat:
-        return {"index": index, part: content, "finish_reason": reason}
-    return {"index": index, "text": content, "logprobs": None, "finish_reason": reason}
+        return {"index": index, part: content, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": index, "text": content, "logprobs": logprobs, "finish_reason": reason}
 
 
 def metrics_text(engine: batching.Batcher) -> str:

@@ -26,6 +26,7 @@ import jax
 from jax.sharding import Mesh
 
 from eagle_jax.decoding import engine as engines
+from eagle_jax.decoding import logprobs as lps
 from eagle_jax.decoding.engine import EngineError
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig
@@ -44,7 +45,8 @@ class QueueFull(Exception):
 class Request:
     """A generation request. `on_tokens(new ids)` and `on_finish(reason)` are called from the engine thread (a
     waiting request cancelled: from the cancelling one); reason is "stop" (an eos id), "length" (its budget or the
-    cache), "cancelled" or "error" (the engine failed)."""
+    cache), "cancelled" or "error" (the engine failed). With `on_logprobs`, the row records its tokens' logprobs
+    (`decoding.logprobs`), handed to it just before the tokens they belong to."""
 
     prompt: list[int]
     max_tokens: int
@@ -55,6 +57,7 @@ class Request:
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     on_cancel: Callable[[Request], None] = dataclasses.field(default=lambda req: None, repr=False, compare=False)
+    on_logprobs: Callable[[list[lps.TokenLogprobs]], None] | None = None
 
     def cancel(self) -> None:
         """Stop generating (a client went away or a stop string was met): a waiting request leaves the queue at
@@ -105,7 +108,14 @@ class SlotChanges:
         if not self.cancel and not self.admit:
             return b""
         admit = [
-            [a.slot, a.request.prompt, a.request.max_tokens, dataclasses.asdict(a.request.sampling), a.request.seed]
+            [
+                a.slot,
+                a.request.prompt,
+                a.request.max_tokens,
+                dataclasses.asdict(a.request.sampling),
+                a.request.seed,
+                a.request.on_logprobs is not None,
+            ]
             for a in self.admit
         ]
         return json.dumps({"cancel": self.cancel, "admit": admit}, separators=(",", ":")).encode()
@@ -116,8 +126,19 @@ class SlotChanges:
             return SlotChanges()
         doc = json.loads(message)
         admit = (
-            Admission(slot, Request(list(prompt), max_tokens, SamplingConfig(**sampling), seed, _ignore, _ignore))
-            for slot, prompt, max_tokens, sampling, seed in doc["admit"]
+            Admission(
+                slot,
+                Request(
+                    list(prompt),
+                    max_tokens,
+                    SamplingConfig(**sampling),
+                    seed,
+                    _ignore,
+                    _ignore,
+                    on_logprobs=_ignore if logprobs else None,
+                ),
+            )
+            for slot, prompt, max_tokens, sampling, seed, logprobs in doc["admit"]
         )
         return SlotChanges(tuple(doc["cancel"]), tuple(admit))
 
@@ -150,10 +171,12 @@ class Batcher:
         chunks: Sequence[int] = engines.CHUNKS,
         max_queue: int = 64,
         mesh: Mesh | None = None,
+        logprobs: int = lps.MAX_TOP,
     ):
         """`envelopes(n)`: the tree for n live rows (default `cfg.tree`, plain decoding unless it says otherwise);
-        each request samples as it asks."""
+        each request samples as it asks, and may ask for its tokens' logprobs with up to `logprobs` alternatives."""
         check_hosts(mesh)
+        cfg = dataclasses.replace(cfg, logprobs=logprobs)
         self.engine = engines.Engine(tparams, dparams, cfg, slots, capacity, chunks, envelopes, per_row=True, mesh=mesh)
         self.slots, self.capacity, self.max_queue = slots, capacity, max_queue
         self.multi_host = distributed.is_multi_host()
@@ -275,7 +298,10 @@ class Batcher:
                 self._finish(req, "cancelled")
             for a in plan.admit:
                 req = pending.pop(0)
-                kept = self.engine.admit(a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req)
+                wants = req.on_logprobs is not None
+                kept = self.engine.admit(
+                    a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req, logprobs=wants
+                )
                 with self.wake:
                     self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
                 self.stats.prompt_tokens += len(req.prompt)
@@ -294,6 +320,8 @@ class Batcher:
             self.stats.accept_histogram[max(0, len(step.tokens) - 1)] += 1
             if step.tokens:
                 self.stats.generated_tokens += len(step.tokens)
+                if step.logprobs is not None:
+                    step.owner.on_logprobs(step.logprobs)
                 step.owner.on_tokens(step.tokens)
             if step.finish:
                 self._finish(step.owner, step.finish)
