@@ -6,8 +6,8 @@ size, one cycle per (bucket of live rows, attention span), and `retire`), the en
 live rows, and a `Row` beside each device row: whom it serves, the tokens its caches hold, the tokens already
 handed out. Its operations: `admit` a prompt into a row (an extend of the row that keeps what its caches already
 share with the prompt, or the longest prefix the prefix cache holds, `decoding.prefix`), `cycle` the live rows
-(plain decoding is the cycle with `tree.PLAIN`), `cancel` rows. A row that ends offers its tokens to the prefix
-cache (copied out before the engine's next operation).
+(plain decoding is the cycle with `tree.PLAIN`), `cancel` rows. A row offers its prompt to the prefix cache once
+fed, and all its tokens when it ends (copied out before the engine's next operation).
 The chat session, the server's batcher, one-shot and streamed generation drive one; none runs a program itself.
 
 Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
@@ -209,7 +209,7 @@ class Engine:
         self.keep_rows = prefix_tokens != 0
         self.index = prefix.Index(prefix.blocks_for(prefix_tokens)) if prefix_tokens else None
         self.pool = prefix.empty_pool(self.state, self.index.blocks) if self.index else None
-        self.unoffered: list[tuple[int, list[int]]] = []  # ended rows (slot, tokens) the prefix cache has not taken
+        self.unoffered: list[tuple[int, list[int]]] = []  # rows' (slot, tokens) the prefix cache has not taken yet
 
     def _empty(self) -> SpecState:
         """Every row empty and done (what `extend` feeds prompts into), laid out as the programs take it."""
@@ -355,6 +355,7 @@ class Engine:
                 args = self._feed(slot, piece, limit, sampling, seed)
                 self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
         self.rows[slot] = Row(owner, True, prompt, 0)
+        self.unoffered.append((slot, prompt))  # rows admitted next share its prompt already
         return keep
 
     def cycle(self) -> list[Step]:
@@ -413,8 +414,8 @@ class Engine:
         return self.pool, self.state, np.int32(slot), sources, np.int32(len(new)), ids
 
     def _offer(self) -> None:
-        """The prefix cache takes the full blocks of the rows that ended (positions their caches hold: every token
-        but the last) that it does not hold yet."""
+        """The prefix cache takes the full blocks of the rows offered (positions their caches hold: every token but
+        the last) that it does not hold yet."""
         for slot, tokens in self.unoffered if self.index else ():
             new = self.index.insert(tokens[:-1])
             if new:

@@ -119,6 +119,7 @@ class Index:
         self.blocks = blocks
         self.used: collections.OrderedDict[bytes, int] = collections.OrderedDict()  # key -> block, LRU first
         self.free = list(range(blocks))
+        self.evicted = 0  # blocks evicted so far
 
     @property
     def tokens(self) -> int:
@@ -157,6 +158,7 @@ class Index:
                     keys = keys[:j]
                     break
                 self.free.append(self.used.pop(victim))
+                self.evicted += 1
             self.used[key] = self.free.pop()
             new.append((j, self.used[key]))
         self._touch(keys)
