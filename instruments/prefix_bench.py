@@ -43,6 +43,7 @@ QUESTIONS = Path("data/eval/mt_bench.jsonl")
 TURNS, ANSWER_TOKENS = 5, 100
 SHARED, SYSTEM_WORDS = 8, 700  # (b): requests at once, words of their system prompt (~1000 tokens)
 UNSHARED, UNSHARED_CLIENTS, UNSHARED_TOKENS = 16, 8, 64  # (c)
+REPEATS = 3  # (c)'s alternating runs
 GOALS = {"ttft": 0.20, "prefill": 0.30, "throughput": 0.05}
 
 
@@ -135,20 +136,26 @@ def system_prompt(words: int, seed: int) -> str:
     return "You follow these rules. " + " ".join(rng.choice(vocab, words))
 
 
-def hit_costs(engine: batcher.Batcher, prompt: list[int]) -> dict:
-    """Seconds of admitting `prompt` with nothing cached and then from the cache (another row), and of copying one
-    row's blocks out (what a retiring row pays), each the median of three after one untimed run."""
-    eng = engine.engine
+def hit_costs(cached: batcher.Batcher, whole: batcher.Batcher, prompt: list[int]) -> dict:
+    """Seconds of admitting `prompt` with no reuse (the uncached engine) and from the pool alone (the cached
+    engine, its rows' own caches set aside), of copying the hit's blocks in, and of copying them out (what a row
+    pays that never hits): each the median of three after one untimed run."""
+    eng = cached.engine
 
-    def admit(slot: int, forget: bool) -> float:
-        if forget:
-            eng.index.clear()
+    def admit(engine, slot: int) -> float:
         t0 = time.perf_counter()
-        eng.admit(slot, prompt, 1, owner=slot)
-        jax.block_until_ready(eng.state)
+        engine.admit(slot, prompt, 1, owner=slot)
+        jax.block_until_ready(engine.state)
         spent = time.perf_counter() - t0
-        eng.cancel([slot])
+        engine.cancel([slot])
         return spent
+
+    def copy_in() -> float:
+        args = eng._copy_in_args(1, prompt, eng.index.lookup(prompt))
+        t0 = time.perf_counter()
+        eng.state = eng.compiled("copy in", prefix.copy_in, *args)
+        jax.block_until_ready(eng.state)
+        return time.perf_counter() - t0
 
     def copy_out() -> float:
         eng.index.clear()
@@ -162,12 +169,20 @@ def hit_costs(engine: batcher.Batcher, prompt: list[int]) -> dict:
         run()
         return statistics.median(run() for _ in range(3))
 
-    cold = median(lambda: admit(0, True))
-    admit(0, True)
-    hit = median(lambda: admit(1, False))
+    cold = median(lambda: admit(whole.engine, 0))
+    admit(eng, 0)  # the pool holds the prompt
+    eng.keep_rows = False  # what a row keeps comes from the pool only
+    hit = median(lambda: admit(eng, 1))
+    eng.keep_rows = True
     blocks = len(eng.index.lookup(prompt))
-    out = median(copy_out)
-    return {"prompt_tokens": len(prompt), "hit_blocks": blocks, "cold_s": cold, "hit_s": hit, "copy_out_s": out}
+    return {
+        "prompt_tokens": len(prompt),
+        "hit_blocks": blocks,
+        "cold_s": cold,
+        "hit_s": hit,
+        "copy_in_s": median(copy_in),
+        "copy_out_s": median(copy_out),
+    }
 
 
 def render(r: dict) -> str:
@@ -186,8 +201,9 @@ def render(r: dict) -> str:
         f"turn times to first token with the cache (ms): {' '.join(f'{1000 * t:.0f}' for t in a['ttft_by_turn_s'])}; "
         f"cached share of (b)'s prompt tokens {b['cached_share']:.0%}",
         f"a hit: a {h['prompt_tokens']}-token prompt admitted with nothing cached {1000 * h['cold_s']:.0f} ms, from "
-        f"{h['hit_blocks']} cached blocks {1000 * h['hit_s']:.0f} ms ({h['hit_s'] / h['cold_s']:.1%}); copying its "
-        f"blocks out (what a row that never hits pays) {1000 * h['copy_out_s']:.1f} ms",
+        f"{h['hit_blocks']} cached blocks {1000 * h['hit_s']:.0f} ms ({h['hit_s'] / h['cold_s']:.1%}), of which "
+        f"copying them in {1000 * h['copy_in_s']:.1f} ms; copying them out (what a row that never hits pays) "
+        f"{1000 * h['copy_out_s']:.1f} ms",
     ]
     return "\n".join(lines)
 
@@ -263,11 +279,15 @@ def _main(argv: Sequence[str] | None) -> int:
             "garden",
             "window",
         ]
-        prompts = [f"{i} " + " ".join(rng.choice(words, 30)) for i in range(UNSHARED)]
-        unshared = {}
-        for name, url in (("with", cached), ("without", whole)):
-            asyncio.run(_completions(url, prompts[:UNSHARED_CLIENTS]))  # warm
-            unshared[name] = asyncio.run(_completions(url, prompts))
+        prompts = [f"{i} " + " ".join(rng.choice(words, 30)) for i in range(UNSHARED * (1 + 2 * REPEATS))]
+        for url in (cached, whole):  # warm, on prompts of their own
+            asyncio.run(_completions(url, prompts[:UNSHARED_CLIENTS]))
+        speed: dict[str, list[float]] = {"with": [], "without": []}
+        for r in range(REPEATS):  # alternately, each on new prompts: a machine's noise falls on both
+            for i, (name, url) in enumerate((("with", cached), ("without", whole))):
+                first = UNSHARED * (1 + 2 * r + i)
+                speed[name].append(asyncio.run(_completions(url, prompts[first : first + UNSHARED])))
+        unshared = {name: statistics.mean(v) for name, v in speed.items()}
         unshared["ratio"] = unshared["with"] / unshared["without"]
     eng = made["with"].engine
     long = loading.encode_chat(tok, [{"role": "system", "content": system_prompt(SYSTEM_WORDS, 99)}])
@@ -278,7 +298,7 @@ def _main(argv: Sequence[str] | None) -> int:
         "conversation": conversation,
         "shared": shared,
         "unshared": unshared,
-        "hit": hit_costs(made["with"], long[: eng.max_prompt]),
+        "hit": hit_costs(made["with"], made["without"], long[: eng.max_prompt]),
     }
     text = render(report)
     print(text)

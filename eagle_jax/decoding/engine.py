@@ -338,7 +338,8 @@ class Engine:
     ) -> int:
         """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
         as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
-        with the prompt, the rest is fed in chunks. Returns the prompt tokens kept."""
+        with the prompt, or take the longest prefix the prefix cache holds, and the rest is fed in chunks. Returns
+        the prompt tokens kept."""
         prompt = list(prompt)
         limit = int(schedule.plan([len(prompt)], max_tokens, self.overhead, self.capacity).limits[0])
         row = self.rows[slot]
