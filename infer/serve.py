@@ -2,12 +2,14 @@
 
     python -m infer.serve [--target DIR --draft DIR|context | --config PRESET --models DIR] [--host 127.0.0.1]
         [--port 8000] [--max-batch 8] [--max-len 2048] [--max-queue 64] [--max-request-bytes N] [--no-spec]
-        [--max-logprobs 20] [--dtype fp32] [--mesh data=D,tensor=T] [--shutdown-grace 25]
+        [--max-logprobs 20] [--dtype fp32] [--mesh data=D,tensor=T] [--shutdown-grace 25] [--prefix-cache-tokens N]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
 /metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
 each number of live rows is read from the head's measured budget (or measured here once and cached) and
-every program the engine can run is compiled; the log says which and how long it took. On several hosts
+every program the engine can run is compiled; the log says which and how long it took. A new request starts
+from the longest prefix of its prompt that an earlier request to this server (its one target, head and dtype)
+left in the prefix cache, and prefills only the rest. On several hosts
 (a TPU pod slice: every host runs the command, with one --mesh over all chips) process 0 serves HTTP and
 the others decode in step with it (`Batcher.follow`). SIGTERM or Ctrl-C: new requests get 503, running ones
 have --shutdown-grace seconds to finish; a stream still running then ends with an error event and [DONE], a
@@ -26,6 +28,7 @@ import jax
 
 from cli import command, demo, envelope, models
 from eagle_jax.decoding import budget as budgets
+from eagle_jax.decoding import prefix
 from eagle_jax.decoding.logprobs import MAX_TOP
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import envelope_name
@@ -89,6 +92,13 @@ def _main(argv: Sequence[str] | None) -> int:
         metavar="S",
         help="on SIGTERM or Ctrl-C, seconds running requests have to finish before they are ended",
     )
+    p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        metavar="N",
+        help="prompt positions whose keys and values later requests that start alike reuse (0: off, every prompt "
+        "prefilled whole; default: as many as the rows hold, --max-batch x --max-len; off on a mesh)",
+    )
     a = p.parse_args(argv)
     lows = {"max_batch": 1, "max_len": 1, "max_queue": 0, "max_tokens": 1, "max_request_bytes": 1, "max_logprobs": 0}
     for name, low in lows.items():
@@ -103,6 +113,9 @@ def _main(argv: Sequence[str] | None) -> int:
     tcfg, tparams, dcfg, dparams, target_dir, draft_dir = m.tcfg, m.tparams, m.dcfg, m.dparams, pair.target, pair.draft
     if a.max_logprobs > tcfg.vocab_size:
         raise EagleError(f"--max-logprobs {a.max_logprobs} exceeds the target's {tcfg.vocab_size} tokens")
+    prefix_tokens = prefix_budget(a.prefix_cache_tokens, a.max_batch * a.max_len, m.mesh is not None)
+    per_token = prefix.bytes_per_token(tcfg, dcfg, tparams["embed"].dtype)
+    prefix.check_budget(prefix_tokens, per_token, prefix.free_bytes(jax.devices()[0]))
     with command.flag("--target"):
         tok = loading.load_tokenizer(target_dir, pair.preset.chat_template if pair.preset else None)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
@@ -119,6 +132,7 @@ def _main(argv: Sequence[str] | None) -> int:
         max_queue=a.max_queue,
         mesh=m.mesh,
         logprobs=a.max_logprobs,
+        prefix_tokens=prefix_tokens,
     )
     names = engine.programs()
     started = time.perf_counter()
@@ -130,6 +144,13 @@ def _main(argv: Sequence[str] | None) -> int:
         log(f"warm-up: {len(names)} programs compiled in {time.perf_counter() - started:.1f} s")
 
     threading.Thread(target=compiled, daemon=True).start()
+    size = prefix.blocks_for(prefix_tokens) * prefix.BLOCK * per_token / 2**20
+    log(
+        f"prefix cache: {prefix_tokens} tokens ({per_token} bytes each, {size:.0f} MiB), shared by the requests to "
+        f"this server's one target, head and dtype ({tparams['embed'].dtype}); --prefix-cache-tokens 0 turns it off"
+        if prefix_tokens
+        else "prefix cache: off (every prompt is prefilled whole)"
+    )
     for n, tree in sorted(engine.engine.envelope.items()):
         log(f"  up to {n} live row{'s' if n > 1 else ''}: {envelope_name(tree)}")
     if jax.process_index() > 0:  # a multi-host server answers on process 0; the others decode in step with it
@@ -147,8 +168,17 @@ def _main(argv: Sequence[str] | None) -> int:
     return 0
 
 
+def prefix_budget(asked: int | None, rows_hold: int, mesh: bool) -> int:
+    """The prefix cache's budget: as asked, else as many positions as the rows hold (off on a mesh)."""
+    if asked is not None and asked < 0:
+        raise EagleError(f"{asked} must be >= 0 (0 turns the prefix cache off)", "prefix_tokens")
+    if mesh and asked:
+        raise EagleError("the prefix cache runs on one device: give 0 with --mesh", "prefix_tokens")
+    return (0 if mesh else rows_hold) if asked is None else asked
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    return command.run(_main, argv, flags={"capacity": "--max-len"})
+    return command.run(_main, argv, flags={"capacity": "--max-len", "prefix_tokens": "--prefix-cache-tokens"})
 
 
 if __name__ == "__main__":

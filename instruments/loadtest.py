@@ -5,11 +5,15 @@ several concurrency levels, with speculation and with --no-spec, in one run.
         [--questions data/eval/mt_bench.jsonl] [--requests 16] [--max-tokens 128] [--json OUT]
     python -m instruments.loadtest --url http://127.0.0.1:8000 ...          # a server already running (one mode)
     python -m instruments.loadtest --faults [--burst 48] [--max-queue 4] ...  # the server under faults
+    python -m instruments.loadtest --turns 5 [--prefix-cache-tokens N] ...     # multi-turn conversations
 
 Without --url it starts `python -m infer.serve` twice on a free local port (speculative, then --no-spec,
 same models and settings), waits for its warm-up, and sends greedy streamed chat requests (MT-bench first
 turns, cycling) from C concurrent clients. Prints and writes (JSON + PNG next to it) per mode and level:
 output tokens/s, time to first token and time per output token (p50/p99), and the speedup of speculation.
+With --turns N each client holds conversations of N turns instead (the question's turns, then follow-ups),
+sending the whole conversation each turn as an OpenAI client does: the report adds each turn's time to first
+token (p50) and the share of prompt tokens the server had cached (`usage.prompt_tokens_details`).
 
 With --faults it runs one server (started with --max-queue, or --url) through faults instead: a burst of
 streamed and whole requests beyond its slots and queue, clients that go away (streams closed after their
@@ -44,6 +48,7 @@ READY_TIMEOUT_S = 1800
 FREED_WITHIN_S = 5.0  # abandoned rows must be gone by then
 BIG_BODY_BYTES = 32 << 20
 PNG_TITLE = "eagle-jax load test"  # in the plot's metadata: how a rerun recognises its own PNG
+FOLLOW_UPS = ("Go on.", "Say more about the last point.", "Summarise that in one sentence.", "Why?")
 
 
 def server_flags(
@@ -58,17 +63,24 @@ def server_flags(
     return [f"--{k}={v}" for k, v in given] + sizes, shown + sizes
 
 
-def first_turns(path: Path, n: int) -> list[str]:
-    turns = [json.loads(line)["turns"][0] for line in Path(path).read_text().splitlines() if line.strip()]
-    if not turns:
+def conversations(path: Path, n: int, turns: int = 1) -> list[list[str]]:
+    """n conversations of `turns` user turns: a question's turns, then follow-ups (cycling over the questions)."""
+    asked = [json.loads(line)["turns"] for line in Path(path).read_text().splitlines() if line.strip()]
+    if not asked:
         raise EagleError(f"--questions {path}: no questions found")
-    return [turns[i % len(turns)] for i in range(n)]
+    return [(asked[i % len(asked)] + list(FOLLOW_UPS) * turns)[:turns] for i in range(n)]
 
 
-async def one_request(client, url: str, question: str, max_tokens: int) -> dict:
-    """A streamed greedy chat request: time to first token, time per output token, tokens."""
+def first_turns(path: Path, n: int) -> list[str]:
+    return [c[0] for c in conversations(path, n)]
+
+
+async def one_request(client, url: str, question: str | list[dict], max_tokens: int) -> dict:
+    """A streamed greedy chat request (a question, or a conversation's messages): time to first token, time per
+    output token, tokens, the answer's text, the prompt's tokens and those the server had cached."""
+    messages = [{"role": "user", "content": question}] if isinstance(question, str) else question
     body = {
-        "messages": [{"role": "user", "content": question}],
+        "messages": messages,
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
@@ -76,7 +88,7 @@ async def one_request(client, url: str, question: str, max_tokens: int) -> dict:
     }
     t0 = time.perf_counter()
     first = None
-    tokens = 0
+    tokens, text, usage = 0, "", {}
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=600) as r:
         if r.status_code != 200:
             raise EagleError(f"{url}: HTTP {r.status_code}: {(await r.aread()).decode()[:200]}")
@@ -85,26 +97,53 @@ async def one_request(client, url: str, question: str, max_tokens: int) -> dict:
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                usage = chunk["usage"]
+                tokens = usage["completion_tokens"]
+            delta = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+            if first is None and delta:
                 first = time.perf_counter()
+            text += delta or ""
     end = time.perf_counter()
     first = first or end
-    return {"ttft_s": first - t0, "tpot_s": (end - first) / max(1, tokens - 1), "tokens": tokens, "end": end}
+    cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {
+        "ttft_s": first - t0,
+        "tpot_s": (end - first) / max(1, tokens - 1),
+        "tokens": tokens,
+        "end": end,
+        "text": text,
+        "prompt_tokens": usage.get("prompt_tokens", 0),
+        "cached_tokens": cached,
+    }
 
 
-async def level(url: str, questions: list[str], concurrency: int, max_tokens: int) -> dict:
-    """All `questions` sent by `concurrency` clients, each taking the next question when done."""
+async def conversation(client, url: str, turns: list[str], max_tokens: int) -> list[dict]:
+    """One client's conversation: each turn sends every earlier turn and answer with the new question."""
+    messages: list[dict] = []
+    results = []
+    for i, question in enumerate(turns):
+        messages.append({"role": "user", "content": question})
+        results.append(await one_request(client, url, list(messages), max_tokens) | {"turn": i})
+        messages.append({"role": "assistant", "content": results[-1]["text"]})
+    return results
+
+
+async def level(url: str, questions: list[str] | list[list[str]], concurrency: int, max_tokens: int) -> dict:
+    """All `questions` (or conversations: lists of turns) sent by `concurrency` clients, each taking the next one
+    when done."""
     import httpx
 
-    todo = list(enumerate(questions))
+    todo = list(questions)
     results: list[dict] = []
     async with httpx.AsyncClient() as client:
 
         async def worker():
             while todo:
-                _, q = todo.pop(0)
-                results.append(await one_request(client, url, q, max_tokens))
+                q = todo.pop(0)
+                if isinstance(q, str):
+                    results.append(await one_request(client, url, q, max_tokens))
+                else:
+                    results.extend(await conversation(client, url, q, max_tokens))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -112,7 +151,12 @@ async def level(url: str, questions: list[str], concurrency: int, max_tokens: in
     ttft = np.array([r["ttft_s"] for r in results])
     tpot = np.array([r["tpot_s"] for r in results])
     tokens = sum(r["tokens"] for r in results)
+    turns = sorted({r["turn"] for r in results if "turn" in r})
+    by_turn = [1000 * float(np.percentile([r["ttft_s"] for r in results if r.get("turn") == t], 50)) for t in turns]
+    prompt = sum(r["prompt_tokens"] for r in results)
     return {
+        **({"ttft_ms_p50_by_turn": by_turn} if turns else {}),
+        "cached_share": sum(r["cached_tokens"] for r in results) / prompt if prompt else 0.0,
         "concurrency": concurrency,
         "requests": len(results),
         "tokens": tokens,
@@ -162,7 +206,7 @@ def started_server(args: list[str]) -> Iterator[str]:
         proc.wait(timeout=60)
 
 
-def measure(url: str, questions: list[str], levels: Sequence[int], max_tokens: int, label: str) -> list[dict]:
+def measure(url: str, questions: list, levels: Sequence[int], max_tokens: int, label: str) -> list[dict]:
     rows = []
     for c in tqdm(levels, desc=f"{label} concurrency", file=sys.stderr):
         asyncio.run(level(url, questions[: max(c, 1)], c, max_tokens))  # warm the path at this load
@@ -324,7 +368,7 @@ def render_faults(f: dict) -> str:
 
 
 def render(report: dict) -> str:
-    lines = ["mode     conc  tok/s  ttft p50/p99 ms   tpot p50/p99 ms   speedup"]
+    lines = ["mode     conc  tok/s  ttft p50/p99 ms   tpot p50/p99 ms   speedup  cached  ttft p50 ms by turn"]
     plain = {r["concurrency"]: r for r in report.get("plain", [])}
     for mode in ("spec", "plain"):
         for r in report.get(mode, []):
@@ -333,7 +377,8 @@ def render(report: dict) -> str:
             lines.append(
                 f"{mode:7s} {r['concurrency']:5d} {r['tokens_per_s']:6.1f} "
                 f"{r['ttft_ms_p50']:8.0f}/{r['ttft_ms_p99']:<7.0f} "
-                f"{r['tpot_ms_p50']:8.1f}/{r['tpot_ms_p99']:<7.1f} {speed:>8s}"
+                f"{r['tpot_ms_p50']:8.1f}/{r['tpot_ms_p99']:<7.1f} {speed:>8s} {r.get('cached_share', 0):6.0%}  "
+                + " ".join(f"{t:.0f}" for t in r.get("ttft_ms_p50_by_turn", []))
             )
     return "\n".join(lines)
 
@@ -376,13 +421,17 @@ def _main(argv: Sequence[str] | None) -> int:
     p.add_argument("--faults", action="store_true", help="run the server through faults instead (see above)")
     p.add_argument("--burst", type=int, default=48, help="--faults: requests sent at once")
     p.add_argument("--max-queue", type=int, default=4, help="--faults: the started server's queue")
+    p.add_argument("--turns", type=int, default=1, help="turns of each client's conversations (1: single questions)")
+    p.add_argument("--prefix-cache-tokens", type=int, help="the started servers' prefix cache (default: theirs)")
     a = p.parse_args(argv)
     try:
         levels = sorted({int(x) for x in a.concurrency.split(",") if x.strip()})
     except ValueError:
         raise EagleError(f"--concurrency {a.concurrency!r}: expected comma-separated integers, e.g. 1,2,4") from None
-    if not levels or min(levels) < 1 or a.requests < 1 or a.max_tokens < 1 or a.burst < 1 or a.max_queue < 0:
-        raise EagleError("--concurrency levels, --requests, --max-tokens and --burst must be >= 1, --max-queue >= 0")
+    if min(levels, default=0) < 1 or min(a.requests, a.max_tokens, a.burst, a.turns) < 1 or a.max_queue < 0:
+        raise EagleError(
+            "--concurrency levels, --requests, --max-tokens, --burst and --turns must be >= 1, --max-queue >= 0"
+        )
     if a.json:  # a new file or this command's earlier report (JSON and the PNG next to it)
         if Path(a.json).suffix != ".json":
             raise EagleError(f"--json {a.json}: name a .json file (the .png plot is written next to it)")
@@ -392,15 +441,19 @@ def _main(argv: Sequence[str] | None) -> int:
     questions = first_turns(Path(a.questions), max(a.requests, max(levels)))
     if a.faults:
         return faults(a, questions)
-    report: dict = {"settings": {"concurrency": levels, "requests": len(questions), "max_tokens": a.max_tokens}}
+    work = questions if a.turns == 1 else conversations(Path(a.questions), len(questions), a.turns)
+    settings = {"concurrency": levels, "requests": len(questions), "max_tokens": a.max_tokens, "turns": a.turns}
+    report: dict = {"settings": settings}
     if a.url:
-        report["spec"] = measure(a.url.rstrip("/"), questions, levels, a.max_tokens, "server")
+        report["spec"] = measure(a.url.rstrip("/"), work, levels, a.max_tokens, "server")
     else:
         common, shown = server_flags(a.target, a.draft, a.dtype, a.max_batch, a.max_len)
+        if a.prefix_cache_tokens is not None:
+            common, shown = (x + ["--prefix-cache-tokens", str(a.prefix_cache_tokens)] for x in (common, shown))
         report["settings"] |= {"server_args": shown, "target": command.shown_path(a.target)}
         for mode, extra in (("spec", []), ("plain", ["--no-spec"])):
             with started_server(common + extra) as url:
-                report[mode] = measure(url, questions, levels, a.max_tokens, mode)
+                report[mode] = measure(url, work, levels, a.max_tokens, mode)
     print(render(report))
     if a.json:
         files.write_json_atomic(a.json, report)

@@ -62,9 +62,8 @@ def served():
     tcfg, tparams = loading.load_target(DEMO / "target", jnp.float32)  # stored in fp16: fp32 as the demo runs
     dcfg, dparams = loading.load_draft(DEMO / "eagle3", tcfg, dtype=jnp.float32)
     tok = loading.load_tokenizer(DEMO / "target")
-    engine = batcher.Batcher(
-        tparams, dparams, DecodeConfig(tcfg, dcfg), envelope, slots=SLOTS, capacity=256, chunks=(64, 16)
-    )
+    cfg = DecodeConfig(tcfg, dcfg)
+    engine = batcher.Batcher(tparams, dparams, cfg, envelope, SLOTS, 256, (64, 16), prefix_tokens=512)
     engine.warm_up()
     port = free_port()
     app = api.create_app(engine, tok, "demo")
@@ -129,6 +128,39 @@ def test_streamed_and_whole_answers_agree_and_count_usage(served):
     ids = list(tok("The weather today").input_ids)
     expected = tok.decode(plain_generate(models[1], models[0], [ids], 12).tokens[0], skip_special_tokens=True)
     assert text.choices[0].text == expected and text.usage.completion_tokens == 12
+
+
+def test_a_conversation_starts_from_its_cached_prefix_and_says_so(served):
+    """Each turn of a conversation (whole and streamed, with other rows taking the slots between turns) answers as
+    plain decoding of the whole conversation; usage counts the prompt tokens the server had cached; /metrics has
+    the hits, the hit rate and the cached tokens."""
+    url, engine, models, _ = served
+    tcfg, tparams, tok = models
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers briefly."}]
+    cached = []
+    for turn, question in enumerate(QUESTIONS[:3]):
+        messages.append({"role": "user", "content": question})
+        with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:  # the other slots are taken meanwhile
+            list(pool.map(lambda q: ask(url, q, 6, temperature=0), QUESTIONS[4 : 4 + SLOTS]))
+        ids = loading.encode_chat(tok, messages)
+        expected = tok.decode(plain_generate(tparams, tcfg, [ids], 12).tokens[0], skip_special_tokens=True)
+        kw = {"model": "demo", "messages": messages, "max_tokens": 12, "temperature": 0}
+        if turn % 2 == 0:
+            r = client(url).chat.completions.create(**kw)
+            text, usage = r.choices[0].message.content, r.usage
+        else:
+            usage_too = {"stream": True, "stream_options": {"include_usage": True}}
+            chunks = list(client(url).chat.completions.create(**kw, **usage_too))
+            text, usage = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks[-1].usage
+        assert text == expected and usage.prompt_tokens == len(ids)
+        cached.append(usage.prompt_tokens_details.cached_tokens)
+        messages.append({"role": "assistant", "content": text})
+    assert cached[1] > 0 and cached[2] > cached[1], cached
+    text = httpx.get(f"{url}/metrics").text
+    figures = dict(line.rsplit(" ", 1) for line in text.splitlines() if not line.startswith("#"))
+    assert int(figures["eagle_jax_prefix_cache_hit_tokens_total"]) == engine.stats.kept_tokens >= sum(cached)
+    assert 0 < float(figures["eagle_jax_prefix_cache_hit_rate"]) < 1
+    assert 0 < int(figures["eagle_jax_prefix_cache_tokens"]) <= int(figures["eagle_jax_prefix_cache_capacity_tokens"])
 
 
 def test_seeded_samples_reproduce_whatever_runs_beside_them(served):
@@ -624,6 +656,10 @@ def test_loadtest_measures_a_running_server(served, tmp_path, capsys):
     assert out.with_suffix(".png").stat().st_size > 0
     assert "spec" in capsys.readouterr().out
     assert loadtest.main(args) == 0, "a rerun replaces its own report"
+    multi = [*args[:3], "2", "--requests", "2", "--max-tokens", "8", "--turns", "3", "--json", str(out)]
+    assert loadtest.main(multi) == 0
+    (turns,) = json.loads(out.read_text())["spec"]
+    assert len(turns["ttft_ms_p50_by_turn"]) == 3 and turns["requests"] == 6 and turns["cached_share"] > 0
 
     foreign = tmp_path / "notes.json"
     foreign.write_text('{"mine": 1}')
@@ -659,6 +695,8 @@ def test_loadtest_fault_mode_finds_nothing_wrong(served, monkeypatch, tmp_path, 
         (["--target", str(GOLDEN / "target")], "no draft head"),
         (["--max-logprobs", "-1"], "--max-logprobs must be >= 0"),
         (["--max-logprobs", "5000"], "--max-logprobs 5000 exceeds the target's 4096 tokens"),
+        (["--prefix-cache-tokens", str(10**13)], "--prefix-cache-tokens: 10000000000000 cached tokens need"),
+        (["--prefix-cache-tokens", "-1"], "--prefix-cache-tokens: -1 must be >= 0"),
     ],
     ids=[
         "max-batch 0",
@@ -668,6 +706,8 @@ def test_loadtest_fault_mode_finds_nothing_wrong(served, monkeypatch, tmp_path, 
         "target without head",
         "max-logprobs below 0",
         "max-logprobs above the vocabulary",
+        "prefix cache beyond memory",
+        "negative prefix cache",
     ],
 )
 def test_serve_refuses_bad_flags_in_one_line(args, expected, capsys, tmp_path, monkeypatch):

@@ -5,7 +5,9 @@ is given), the compiled program set and its one warm-up (`programs.Precompiled`:
 size, one cycle per (bucket of live rows, attention span), and `retire`), the envelope (tree) for each number of
 live rows, and a `Row` beside each device row: whom it serves, the tokens its caches hold, the tokens already
 handed out. Its operations: `admit` a prompt into a row (an extend of the row that keeps what its caches already
-share with the prompt), `cycle` the live rows (plain decoding is the cycle with `tree.PLAIN`), `cancel` rows.
+share with the prompt, or the longest prefix the prefix cache holds, `decoding.prefix`), `cycle` the live rows
+(plain decoding is the cycle with `tree.PLAIN`), `cancel` rows. A row offers its prompt to the prefix cache once
+fed, and all its tokens when it ends (copied out before the engine's next operation).
 The chat session, the server's batcher, one-shot and streamed generation drive one; none runs a program itself.
 
 Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
@@ -31,7 +33,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from eagle_jax.decoding import logprobs as lps
-from eagle_jax.decoding import programs, schedule, speculative
+from eagle_jax.decoding import prefix, programs, schedule, speculative
+from eagle_jax.decoding.emit import PAD_ID
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig, SpecState
@@ -172,9 +175,12 @@ class Engine:
         per_row: bool = False,
         loop: bool = False,
         mesh: Mesh | None = None,
+        prefix_tokens: int | None = None,
     ):
         """`envelopes(n)`: the tree for n live rows (default `cfg.tree` for every n). `loop`: cycles of every row
-        run as one on-device loop per attention span (no host round trip per token) instead of one at a time."""
+        run as one on-device loop per attention span (no host round trip per token) instead of one at a time.
+        `prefix_tokens`: None, a row keeps what its own caches share with its next prompt; 0, every prompt is fed
+        whole; N, also a prefix cache across rows of up to N positions (`decoding.prefix`; one device)."""
         tcfg = cfg.tcfg
         # the static rule draws over the whole batch with one key: its cycles compute every row
         counts = buckets(slots, mesh) if per_row else (slots,)
@@ -201,6 +207,12 @@ class Engine:
         self.dead = False
         self.rows = [Row() for _ in range(slots)]
         self.state = self._empty()
+        if prefix_tokens and mesh is not None:
+            raise EagleError("the prefix cache runs on one device; give 0 on a mesh", "prefix_tokens")
+        self.keep_rows = prefix_tokens != 0
+        self.index = prefix.Index(prefix.blocks_for(prefix_tokens)) if prefix_tokens else None
+        self.pool = prefix.empty_pool(self.state, self.index.blocks) if self.index else None
+        self.unoffered: list[tuple[int, list[int]]] = []  # rows' (slot, tokens) the prefix cache has not taken yet
 
     def _empty(self) -> SpecState:
         """Every row empty and done (what `extend` feeds prompts into), laid out as the programs take it."""
@@ -277,7 +289,9 @@ class Engine:
         ]
         cycles = [self._cycle_call(span, range(n)) for n in sorted(self.envelope) for span in self.spans]
         retiring = ("retire", retire, (self.state, np.zeros(self.slots, bool)), {})
-        return [extends[0], cycles[0], *extends[1:], *cycles[1:], retiring]
+        copies = [("copy in", prefix.copy_in, self._copy_in_args(0, [0], []), {})] if self.index else []
+        copies += [("copy out", prefix.copy_out, self._copy_out_args(0, []), {})] if self.index else []
+        return [extends[0], cycles[0], *extends[1:], *cycles[1:], retiring, *copies]
 
     def programs(self) -> list[str]:
         """The names of the compiled set."""
@@ -309,9 +323,12 @@ class Engine:
             with failing(owners):
                 yield
         except EngineError as exc:
-            self.rows = [Row() for _ in range(self.slots)]
+            self.rows, self.unoffered = [Row() for _ in range(self.slots)], []
             try:
                 self.state = self._empty()
+                if self.index:
+                    self.index.clear()
+                    self.pool = prefix.empty_pool(self.state, self.index.blocks)
             except Exception as again:
                 self.dead = True
                 raise EngineError(f"{exc} and could not rebuild its rows", owners, True) from again
@@ -329,20 +346,28 @@ class Engine:
     ) -> int:
         """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
         as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
-        with the prompt, the rest is fed in chunks. With `logprobs` (settings that record them), its steps carry its
-        tokens' logprobs. Returns the prompt tokens kept."""
+        with the prompt, or take the longest prefix the prefix cache holds, and the rest is fed in chunks. With
+        `logprobs` (settings that record them), its steps carry its tokens' logprobs. Returns the prompt tokens
+        kept."""
         if logprobs and not self.cfg.logprobs:
             raise EagleError("this engine records no logprobs; build it with settings whose `logprobs` is > 0")
         prompt = list(prompt)
         limit = int(schedule.plan([len(prompt)], max_tokens, self.overhead, self.capacity).limits[0])
         row = self.rows[slot]
-        keep = reusable(row.cached, prompt)
         self.rows[slot] = Row(owner, False, [], 0)
+        keep = reusable(row.cached, prompt) if self.keep_rows else 0
         with self._failing([slot]):
+            self._offer()
+            blocks = self.index.lookup(prompt) if self.index else []
+            hit = min(len(blocks) * prefix.BLOCK, len(prompt)) - 1  # the last kept pair is read again (`reusable`)
+            if hit > keep:
+                self.state = self.compiled("copy in", prefix.copy_in, *self._copy_in_args(slot, prompt, blocks))
+                keep = hit
             for piece in pieces(prompt, keep, self.chunks):
                 args = self._feed(slot, piece, limit, sampling, seed, logprobs)
                 self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
         self.rows[slot] = Row(owner, True, prompt, 0, logprobs)
+        self.unoffered.append((slot, prompt))  # rows admitted next share its prompt already
         return keep
 
     def cycle(self) -> list[Step]:
@@ -353,6 +378,7 @@ class Engine:
         if not live:
             return []
         with self._failing(live):
+            self._offer()
             needed = speculative.host_slots_needed(self.state, self.envelope[self.bucket(len(live))])
             span = schedule.attention_span(int(needed[live].max()), self.capacity)
             name, fn, args, static = self._cycle_call(span, live)
@@ -370,6 +396,7 @@ class Engine:
             steps.append(Step(slot, row.owner, new, finish, logprobs))
             if finish:
                 row.owner, row.running = None, False
+                self.unoffered.append((slot, row.cached))
         return steps
 
     def cancel(self, slots: Sequence[int]) -> list[Any]:
@@ -382,7 +409,32 @@ class Engine:
         owners = [self.rows[s].owner for s in slots]
         for s in slots:
             self.rows[s].owner, self.rows[s].running = None, False
+        self.unoffered += [(s, self.rows[s].cached) for s in slots]
         return owners
+
+    # ------------------------------------------------------------ the prefix cache
+
+    def _copy_in_args(self, slot: int, prompt: Sequence[int], blocks: Sequence[int]) -> tuple:
+        """`prefix.copy_in`'s arguments that copy pool blocks into a row about to take `prompt`."""
+        ids, history = np.zeros(self.capacity // prefix.BLOCK, np.int32), np.full(self.capacity, PAD_ID, np.int32)
+        ids[: len(blocks)], history[: len(prompt)] = blocks, prompt
+        return self.state, self.pool, ids, np.int32(len(blocks)), np.int32(slot), history
+
+    def _copy_out_args(self, slot: int, new: Sequence[tuple[int, int]]) -> tuple:
+        """`prefix.copy_out`'s arguments that copy a row's blocks (index in the row, pool block) out."""
+        sources, ids = (np.zeros(self.capacity // prefix.BLOCK, np.int32) for _ in range(2))
+        for i, (j, block) in enumerate(new):
+            sources[i], ids[i] = j, block
+        return self.pool, self.state, np.int32(slot), sources, np.int32(len(new)), ids
+
+    def _offer(self) -> None:
+        """The prefix cache takes the full blocks of the rows offered (positions their caches hold: every token but
+        the last) that it does not hold yet."""
+        for slot, tokens in self.unoffered if self.index else ():
+            new = self.index.insert(tokens[:-1])
+            if new:
+                self.pool = self.compiled("copy out", prefix.copy_out, *self._copy_out_args(slot, new))
+        self.unoffered = []
 
     def _outputs(self) -> tuple[np.ndarray, ...]:
         s = self.state

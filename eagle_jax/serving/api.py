@@ -40,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from eagle_jax.decoding import prefix
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io.loading import encode_chat
@@ -502,7 +503,13 @@ class Api:
     @staticmethod
     def _usage(parsed: Parsed, choices: list[Choice]) -> dict:
         prompt, completion = sum(map(len, parsed.prompts)), sum(c.tokens for c in choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = {"cached_tokens": sum(c.req.cached for c in choices)}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": cached,
+        }
 
     def _lp(self, parsed: Parsed, chat: bool, c: Choice) -> dict | None:
         """The logprobs of the choice's tokens not yet handed out (up to those usage counts) in its shape, now handed
@@ -589,7 +596,7 @@ def _choice(
 
 
 def metrics_text(engine: batching.Batcher) -> str:
-    s = engine.stats
+    s, index = engine.stats, engine.engine.index
     tau = s.generated_tokens / s.row_cycles if s.row_cycles else 0.0
     lines = [
         "# TYPE eagle_jax_requests_total counter",
@@ -606,6 +613,14 @@ def metrics_text(engine: batching.Batcher) -> str:
         f"eagle_jax_prompt_tokens_total {s.prompt_tokens}",
         "# TYPE eagle_jax_prompt_tokens_kept_total counter",
         f"eagle_jax_prompt_tokens_kept_total {s.kept_tokens}",
+        "# TYPE eagle_jax_prefix_cache_hit_tokens_total counter",
+        f"eagle_jax_prefix_cache_hit_tokens_total {s.kept_tokens}",
+        "# TYPE eagle_jax_prefix_cache_hit_rate gauge",
+        f"eagle_jax_prefix_cache_hit_rate {s.kept_tokens / s.prompt_tokens if s.prompt_tokens else 0.0:.4f}",
+        "# TYPE eagle_jax_prefix_cache_tokens gauge",
+        f"eagle_jax_prefix_cache_tokens {index.tokens if index else 0}",
+        "# TYPE eagle_jax_prefix_cache_capacity_tokens gauge",
+        f"eagle_jax_prefix_cache_capacity_tokens {index.blocks * prefix.BLOCK if index else 0}",
         "# TYPE eagle_jax_generated_tokens_total counter",
         f"eagle_jax_generated_tokens_total {s.generated_tokens}",
         "# TYPE eagle_jax_running_rows gauge",

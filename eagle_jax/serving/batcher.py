@@ -55,6 +55,7 @@ class Request:
     on_tokens: Callable[[list[int]], None]
     on_finish: Callable[[str], None]
     cancelled: bool = False
+    cached: int = 0  # prompt tokens its row did not feed (its caches or the prefix cache held them)
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     on_cancel: Callable[[Request], None] = dataclasses.field(default=lambda req: None, repr=False, compare=False)
     on_logprobs: Callable[[list[lps.TokenLogprobs]], None] | None = None
@@ -172,12 +173,25 @@ class Batcher:
         max_queue: int = 64,
         mesh: Mesh | None = None,
         logprobs: int = lps.MAX_TOP,
+        prefix_tokens: int | None = None,
     ):
         """`envelopes(n)`: the tree for n live rows (default `cfg.tree`, plain decoding unless it says otherwise);
-        each request samples as it asks, and may ask for its tokens' logprobs with up to `logprobs` alternatives."""
+        each request samples as it asks, and may ask for its tokens' logprobs with up to `logprobs` alternatives.
+        `prefix_tokens`: the prefix cache's budget (`Engine`)."""
         check_hosts(mesh)
         cfg = dataclasses.replace(cfg, logprobs=logprobs)
-        self.engine = engines.Engine(tparams, dparams, cfg, slots, capacity, chunks, envelopes, per_row=True, mesh=mesh)
+        self.engine = engines.Engine(
+            tparams,
+            dparams,
+            cfg,
+            slots,
+            capacity,
+            chunks,
+            envelopes,
+            per_row=True,
+            mesh=mesh,
+            prefix_tokens=prefix_tokens,
+        )
         self.slots, self.capacity, self.max_queue = slots, capacity, max_queue
         self.multi_host = distributed.is_multi_host()
         self.queue: collections.deque[Request] = collections.deque()
@@ -306,6 +320,7 @@ class Batcher:
                     self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
                 self.stats.prompt_tokens += len(req.prompt)
                 self.stats.kept_tokens += kept
+                req.cached = kept
             if not self.engine.live:
                 return False
             t0 = time.perf_counter()
