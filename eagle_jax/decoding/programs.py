@@ -75,6 +75,7 @@ def spec_state_shardings(tcfg: TargetConfig, dcfg: DraftConfig | None, mesh: Mes
         accept_lengths=by_step,
         key=replicated,
         controls=RowControls(by_row, by_row, by_row, by_row) if per_row else None,
+        sources=by_row_wide,
     )
 
 

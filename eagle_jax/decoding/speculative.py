@@ -54,9 +54,14 @@ class SpecState:
     accept_lengths: jax.Array  # [S, B] int32 accepted draft tokens per cycle (-1: row not running)
     key: jax.Array
     controls: RowControls | None = None  # per-row sampling (a server's rows); None: the static setting and `key`
+    sources: jax.Array | None = None  # [B, S] int8 where each token of `out` came from (`SOURCES`); None: untracked
 
 
-_PER_ROW = ("root", "draft_hidden", "history", "out", "counts", "limits", "done", "eos", "controls")  # [B, ...]
+SOURCES = ("target", "head", "context")  # a cycle's root (the target's own token), an accepted head or context draft
+
+
+# the fields of one row each, [B, ...]
+_PER_ROW = ("root", "draft_hidden", "history", "out", "counts", "limits", "done", "eos", "controls", "sources")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +183,7 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, cfg: DecodeConfig
         cycle=jnp.int32(0),
         accept_lengths=jnp.full((capacity, b), -1, jnp.int32),
         key=key,
+        sources=jnp.zeros((b, capacity), jnp.int8),
     )
 
 
@@ -273,6 +279,7 @@ def _extend(tparams, dparams, state: SpecState, start, tokens, next_tokens, n, f
         accept_lengths=jnp.where(starts[None, :], -1, state.accept_lengths),
         key=key,
         controls=controls,
+        sources=state.sources,
     )
 
 
@@ -294,6 +301,7 @@ def empty_state(cfg: DecodeConfig, batch: int, capacity: int, dtype) -> SpecStat
         cycle=jnp.int32(0),
         accept_lengths=jnp.full((capacity, batch), -1, jnp.int32),
         key=jax.random.key(0),
+        sources=jnp.zeros((batch, capacity), jnp.int8),
     )
 
 
@@ -415,6 +423,7 @@ def _verify(
             new_hidden, dcache = _draft_context(dparams, dcfg, embed, dcache, pair_tokens, feats, commit, span)
             draft_hidden = jnp.where(running[:, None], new_hidden, s.draft_hidden)
     eos = s.eos | hit_eos
+    sources = None if s.sources is None else _write(s.sources, s.counts, node_sources(path, tree), counts - s.counts)
     room = tcache.lengths + tree.cache_overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room
     return SpecState(
@@ -432,7 +441,14 @@ def _verify(
         accept_lengths=s.accept_lengths.at[s.cycle].set(jnp.where(running, accept_len, -1), mode="drop"),
         key=s.key,
         controls=s.controls,
+        sources=sources,
     )
+
+
+def node_sources(path: jax.Array, tree: TreeConfig) -> jax.Array:
+    """The source (index into `SOURCES`) of each node of paths [B, P]: the root is the target's own token, then the
+    head's nodes (a context candidate equal to one merged into it), then the context branch grafted after them."""
+    return jnp.where(path == 0, 0, jnp.where(path < tree.head_nodes, 1, 2)).astype(jnp.int8)
 
 
 def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, positions: jax.Array) -> jax.Array:

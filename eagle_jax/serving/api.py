@@ -32,16 +32,19 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io.loading import encode_chat
 from eagle_jax.serving import batcher as batching
+from eagle_jax.serving.trace import Trace
 
 RETRY_AFTER_S = 1
 MAX_STOPS = 4
@@ -65,6 +68,8 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
 MAX_DIGITS = sys.get_int_max_str_digits() or 4300  # the longest integer a body may hold
 SHUTDOWN = "the server shut down before the answer was complete; retry"
 PROMPT_HELP = "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either"
+EAGLE = {"trace": False, "speculate": True}  # the request's `eagle` object: its fields and their defaults
+WEB = Path(__file__).parent / "web"  # the chat page (plain HTML, CSS and JavaScript)
 ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
@@ -117,6 +122,8 @@ class Parsed:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    trace: bool = False  # chunks carry the `eagle` field (`serving.trace`)
+    speculate: bool = True  # False: decoded plainly
 
 
 @dataclass
@@ -128,6 +135,7 @@ class Choice:
     sent: int = 0  # characters of the text already handed out
     tokens: int = 0  # what usage counts: up to the token that completes a stop string
     reason: str | None = None  # finish reason, once finished
+    trace: Trace | None = None  # where its tokens came from (asked for: `Parsed.trace`)
 
 
 def _shown(value: object) -> str:
@@ -377,6 +385,12 @@ class Api:
                 "'stream_options' must be an object {include_usage: true or false}", param="stream_options"
             )
         include_usage = bool(options and options.get("include_usage"))
+        eagle = body.get("eagle") or {}
+        if not isinstance(eagle, dict) or not all(k in EAGLE and v in (None, True, False) for k, v in eagle.items()):
+            raise BadRequest(
+                "'eagle' must be an object {trace: true or false, speculate: true or false}", param="eagle"
+            )
+        eagle = {**EAGLE, **{k: v for k, v in eagle.items() if v is not None}}
         param = "messages" if chat else "prompt"
         for prompt in prompts:
             try:
@@ -385,7 +399,8 @@ class Api:
                 raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
             self._check_context(len(prompt), max_tokens, max_name)
         max_tokens = max_tokens or self.default_max_tokens  # a row stops where its context ends
-        return Parsed(tuple(prompts), max_tokens, sampling, seed, stops, stream, include_usage)
+        args = (stops, stream, include_usage, eagle["trace"], eagle["speculate"])
+        return Parsed(tuple(prompts), max_tokens, sampling, seed, *args)
 
     def admit(self, parsed: Parsed) -> tuple[list[Choice], asyncio.Queue]:
         """Queue a row per prompt, all or none (`batcher.QueueFull`), before any response starts. The engine
@@ -404,9 +419,11 @@ class Api:
                 parsed.seed,
                 on_tokens=lambda ids: put("tokens", ids),
                 on_finish=lambda why: put("finish", why),
+                speculate=parsed.speculate,
+                on_sources=(lambda *cycle: put("sources", cycle)) if parsed.trace else lambda *cycle: None,
             )
 
-        choices = [Choice(request(i, p)) for i, p in enumerate(parsed.prompts)]
+        choices = [Choice(request(i, p), trace=Trace() if parsed.trace else None) for i, p in enumerate(parsed.prompts)]
         self.engine.submit(*(c.req for c in choices))
         self.inflight.add(events)
         return choices, events
@@ -438,11 +455,16 @@ class Api:
                     continue
                 if kind == "finish" and value == "error":
                     raise EngineFailed
+                if kind == "sources":
+                    c.trace.cycle(*value)
+                    continue
                 if kind == "finish":
                     c.reason = "length" if value == "length" else "stop"
                     yield i, decode(c.ids)[c.sent :], c.reason
                     continue
                 before, c.ids = len(c.ids), c.ids + value
+                if c.trace is not None:
+                    c.trace.tokens(c.ids, decode)
                 text = decode(c.ids)
                 cut = _stop_at(text, parsed.stops)
                 if cut >= 0:  # usage counts up to the token that completes the stop string
@@ -494,10 +516,12 @@ class Api:
             body = self._body(rid, created, chat, "message", parts)
             return JSONResponse({**body, "usage": self._usage(parsed, choices)})
 
-        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+        def chunk(choice: dict | None, usage: dict | None = None, trace: Trace | None = None, delta: str = "") -> str:
             body = self._body(rid, created, chat, "delta", [choice] if choice else [])
             if usage is not None:
                 body["usage"] = usage
+            if trace is not None:
+                body["eagle"] = trace.field(delta)
             return f"data: {json.dumps(body)}\n\n"
 
         async def stream() -> AsyncIterator[str]:
@@ -505,10 +529,12 @@ class Api:
                 yield chunk(_choice(chat, "delta", {"role": "assistant", "content": ""}, None))
             try:
                 async for i, delta, why in self.deltas(parsed, choices, events):
+                    trace = choices[i].trace
                     if delta:
-                        yield chunk(_choice(chat, "delta", {"content": delta} if chat else delta, None, i))
+                        content = {"content": delta} if chat else delta
+                        yield chunk(_choice(chat, "delta", content, None, i), None, trace, delta)
                     if why:
-                        yield chunk(_choice(chat, "delta", {} if chat else "", why, i))
+                        yield chunk(_choice(chat, "delta", {} if chat else "", why, i), None, trace)
             except ShuttingDown:
                 yield f"data: {json.dumps(error_body(SHUTDOWN, 503, code='server_shutdown'))}\n\n"
             except EngineFailed:
@@ -689,5 +715,11 @@ def create_app(
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def page():
+        return FileResponse(WEB / "index.html")
+
+    app.mount("/web", StaticFiles(directory=WEB), name="web")
 
     return app

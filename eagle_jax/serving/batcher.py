@@ -29,7 +29,7 @@ from eagle_jax.decoding import engine as engines
 from eagle_jax.decoding.engine import EngineError
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig
-from eagle_jax.decoding.tree import TreeConfig
+from eagle_jax.decoding.tree import TreeConfig, envelope_name
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed
 
@@ -44,7 +44,9 @@ class QueueFull(Exception):
 class Request:
     """A generation request. `on_tokens(new ids)` and `on_finish(reason)` are called from the engine thread (a
     waiting request cancelled: from the cancelling one); reason is "stop" (an eos id), "length" (its budget or the
-    cache), "cancelled" or "error" (the engine failed)."""
+    cache), "cancelled" or "error" (the engine failed). Before each `on_tokens`, `on_sources(where each new id came
+    from, the envelope's name)` (`speculative.SOURCES`, `tree.envelope_name`). `speculate=False`: decoded plainly
+    (`engine.Row.plain`)."""
 
     prompt: list[int]
     max_tokens: int
@@ -55,6 +57,10 @@ class Request:
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     on_cancel: Callable[[Request], None] = dataclasses.field(default=lambda req: None, repr=False, compare=False)
+    speculate: bool = True
+    on_sources: Callable[[list[str], str], None] = dataclasses.field(
+        default=lambda sources, tree: None, repr=False, compare=False
+    )
 
     def cancel(self) -> None:
         """Stop generating (a client went away or a stop string was met): a waiting request leaves the queue at
@@ -105,7 +111,14 @@ class SlotChanges:
         if not self.cancel and not self.admit:
             return b""
         admit = [
-            [a.slot, a.request.prompt, a.request.max_tokens, dataclasses.asdict(a.request.sampling), a.request.seed]
+            [
+                a.slot,
+                a.request.prompt,
+                a.request.max_tokens,
+                dataclasses.asdict(a.request.sampling),
+                a.request.seed,
+                a.request.speculate,
+            ]
             for a in self.admit
         ]
         return json.dumps({"cancel": self.cancel, "admit": admit}, separators=(",", ":")).encode()
@@ -116,8 +129,11 @@ class SlotChanges:
             return SlotChanges()
         doc = json.loads(message)
         admit = (
-            Admission(slot, Request(list(prompt), max_tokens, SamplingConfig(**sampling), seed, _ignore, _ignore))
-            for slot, prompt, max_tokens, sampling, seed in doc["admit"]
+            Admission(
+                slot,
+                Request(list(prompt), max_tokens, SamplingConfig(**sampling), seed, _ignore, _ignore, speculate=spec),
+            )
+            for slot, prompt, max_tokens, sampling, seed, spec in doc["admit"]
         )
         return SlotChanges(tuple(doc["cancel"]), tuple(admit))
 
@@ -275,7 +291,9 @@ class Batcher:
                 self._finish(req, "cancelled")
             for a in plan.admit:
                 req = pending.pop(0)
-                kept = self.engine.admit(a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req)
+                kept = self.engine.admit(
+                    a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req, plain=not req.speculate
+                )
                 with self.wake:
                     self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
                 self.stats.prompt_tokens += len(req.prompt)
@@ -294,6 +312,7 @@ class Batcher:
             self.stats.accept_histogram[max(0, len(step.tokens) - 1)] += 1
             if step.tokens:
                 self.stats.generated_tokens += len(step.tokens)
+                step.owner.on_sources(step.sources, envelope_name(step.tree))
                 step.owner.on_tokens(step.tokens)
             if step.finish:
                 self._finish(step.owner, step.finish)
