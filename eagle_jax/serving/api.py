@@ -14,7 +14,9 @@ default `--max-tokens` is cut to what the context leaves); anything else is a 50
 request id, its traceback logged once, and the connection is kept. Fields the server does not implement
 (logprobs, tools, response formats, penalties, logit bias, echo, best_of, suffix) are refused with a 400 that
 names them. On shutdown (`serve`) running requests have a grace period to finish; those cut at its end get
-503 (whole answers) or an error event and `[DONE]` (streams).
+503 (whole answers) or an error event and `[DONE]` (streams). A request's `eagle` object may ask for the stream's
+extension field (`"trace": true`, `serving.trace`) or plain decoding (`"speculate": false`); `GET /` is the chat
+page (`web/`) that uses both.
 """
 
 from __future__ import annotations
