@@ -57,15 +57,10 @@ def answers(page) -> list:
     return page.find_elements("css selector", ".msg.assistant")
 
 
-def settled(page, index: int = 0) -> str:
-    """The state of the index-th answer once it no longer streams."""
-    return wait_for(
-        lambda: (
-            len(answers(page)) > index
-            and answers(page)[index].get_attribute("data-state") != "streaming"
-            and answers(page)[index].get_attribute("data-state")
-        )
-    )
+def settled(page) -> str:
+    """The state of the page's first answer once it no longer streams."""
+    state = lambda: answers(page) and answers(page)[0].get_attribute("data-state")  # noqa: E731
+    return wait_for(lambda: state() not in (None, [], "streaming") and state())
 
 
 def test_the_page_is_served_next_to_the_api_and_needs_nothing_else(server, page):
