@@ -5,15 +5,15 @@
         [--max-logprobs 20] [--dtype fp32] [--mesh data=D,tensor=T] [--shutdown-grace 25] [--prefix-cache-tokens N]
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream or not), GET /v1/models, /health,
-/metrics (Prometheus). Without a model named it serves the demo pair. At start-up the tree envelope for
-each number of live rows is read from the head's measured budget (or measured here once and cached) and
-every program the engine can run is compiled; the log says which and how long it took. A new request starts
-from the longest prefix of its prompt that an earlier request to this server (its one target, head and dtype)
-left in the prefix cache, and prefills only the rest. On several hosts
-(a TPU pod slice: every host runs the command, with one --mesh over all chips) process 0 serves HTTP and
-the others decode in step with it (`Batcher.follow`). SIGTERM or Ctrl-C: new requests get 503, running ones
-have --shutdown-grace seconds to finish; a stream still running then ends with an error event and [DONE], a
-whole answer with a 503; the command exits 0.
+/metrics (Prometheus), and a chat page at / that shows the speculation. Without a model named it serves the demo
+pair. At start-up the tree envelope for each number of live rows is read from the head's measured budget (or
+measured here once and cached) and every program the engine can run is compiled; the log says which and how long
+it took. A new request starts from the longest prefix of its prompt that an earlier request to this server (its
+one target, head and dtype) left in the prefix cache, and prefills only the rest. On several hosts (a TPU pod
+slice: every host runs the command, with one --mesh over all chips) process 0 serves HTTP and the others decode
+in step with it (`Batcher.follow`). SIGTERM or Ctrl-C: new requests get 503, running ones have --shutdown-grace
+seconds to finish; a stream still running then ends with an error event and [DONE], a whole answer with a 503;
+the command exits 0.
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def _main(argv: Sequence[str] | None) -> int:
         log(f"followed {st.cycles} cycles: {st.row_cycles} row cycles, {st.generated_tokens} tokens")
         return 0
     app = api.create_app(engine, tok, target_dir.name, a.max_tokens, a.max_request_bytes)
-    log(f"serving {target_dir.name} on http://{a.host}:{a.port}/v1")
+    log(f"serving {target_dir.name} on http://{a.host}:{a.port}/v1, its chat page on http://{a.host}:{a.port}/")
     api.serve(app, a.host, a.port, a.shutdown_grace)
     log("stopped")
     if engine.dead:

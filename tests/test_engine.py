@@ -532,3 +532,28 @@ def test_no_compile_after_warmup(heads, golden_target):
     before = (speculative.prefill._cache_size(), speculative.run_span._cache_size())
     speculative.generate(tparams, dparams, [[1, 5, 9, 3, 7, 8, 11]], 40, speculative.DecodeConfig(tcfg, dcfg, spec))
     assert (speculative.prefill._cache_size(), speculative.run_span._cache_size()) == before
+
+
+def test_each_emitted_token_is_marked_by_the_node_it_came_from(heads, golden_target, reference):
+    """The source the state records for each emitted token (`SpecState.sources`) is the one of the node the cycle's
+    tree holds it at, found by walking the tree from the root along the emitted tokens: the root is the target's
+    own token, a node of the head's part a head draft, a grafted node a context draft. A repetitive prompt makes
+    the context branch accept drafts too."""
+    tcfg, tparams = golden_target
+    dcfg, dparams = heads["eagle3"]
+    tree = DynamicTree(4, 2, 1, context=6, min_match=1)  # the answers fall into loops the context branch follows
+    prompts = [reference["p0.input_ids"].tolist(), [5, 6, 7, 8, 9] * 6]
+    before, seen = np.zeros(2, int), set()
+    for _, tr, state in speculative.stream(tparams, dparams, prompts, 96, speculative.DecodeConfig(tcfg, dcfg, tree)):
+        counts, out, sources = jax.device_get((state.counts, state.out, state.sources))
+        tokens, parents = np.asarray(tr.tokens), np.asarray(tr.parents)
+        for row in range(2):
+            node, expected = 0, ["target"]
+            for token in out[row, before[row] + 1 : counts[row]]:
+                node = next(j for j in range(1, tokens.shape[1]) if parents[row, j] == node and tokens[row, j] == token)
+                expected.append("head" if node < tree.head_nodes else "context")
+            got = [speculative.SOURCES[s] for s in sources[row, before[row] : counts[row]]]
+            assert got == expected[: len(got)], (row, got, expected)
+            seen |= set(got)
+        before = counts
+    assert seen == {"target", "head", "context"}

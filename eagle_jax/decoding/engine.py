@@ -120,6 +120,7 @@ class Row:
     cached: list[int] = dataclasses.field(default_factory=list)  # token ids the caches hold (positions 0..)
     shown: int = 0  # tokens of the current answer already handed out
     logprobs: bool = False  # the current answer records its tokens' logprobs
+    plain: bool = False  # decoded without speculation: while it runs, every live row's cycles use `tree.PLAIN`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,8 @@ class Step:
     tokens: list[int]
     finish: str | None  # "stop" (an eos id) or "length" (its budget or the cache)
     logprobs: list[lps.TokenLogprobs] | None = None  # one per new token, for a row admitted with `logprobs`
+    sources: list[str] = dataclasses.field(default_factory=list)  # where each token came from (`SOURCES`)
+    tree: TreeConfig = PLAIN  # the envelope the cycle ran with
 
 
 class EngineError(EagleError):
@@ -258,11 +261,15 @@ class Engine:
         """Whether a cycle of `rows` live rows runs as an on-device loop (every slot, `loop`)."""
         return self.loop and rows == self.slots
 
-    def _cycle_call(self, span: int, live: Sequence[int]) -> tuple[str, Any, tuple, dict]:
-        """(name, function, arguments, static arguments) of the program that cycles the live rows, padded with idle
-        ones to a bucket (every slot: the whole state, no row indices)."""
+    def tree(self, live: Sequence[int]) -> TreeConfig:
+        """The envelope a cycle of the live rows runs with: their number's, or `tree.PLAIN` while a plain row runs."""
+        return PLAIN if any(self.rows[s].plain for s in live) else self.envelope[self.bucket(len(live))]
+
+    def _cycle_call(self, span: int, live: Sequence[int], plain: bool = False) -> tuple[str, Any, tuple, dict]:
+        """(name, function, arguments, static arguments) of the program that cycles the live rows (`plain`: with
+        `tree.PLAIN`), padded with idle ones to a bucket (every slot: the whole state, no row indices)."""
         n = self.bucket(len(live))
-        cfg, state = self.settings[n], (self.tparams, self.dparams, self.state)
+        cfg, state = self.cfg if plain else self.settings[n], (self.tparams, self.dparams, self.state)
         static = {"cfg": cfg, "span": span}
         if self._looped(n):
             return f"decode loop span {span}", speculative.run_span, state, static
@@ -288,6 +295,9 @@ class Engine:
             (f"extend {p.n}", speculative.extend, self._feed(0, p, 1, None, 0), {"cfg": self.cfg}) for p in feeds
         ]
         cycles = [self._cycle_call(span, range(n)) for n in sorted(self.envelope) for span in self.spans]
+        # a server's rows may ask for plain decoding: their cycles too (elsewhere compiled on first use)
+        drafting = [n for n in sorted(self.envelope) if self.per_row and self.envelope[n] != PLAIN]
+        cycles += [self._cycle_call(span, range(n), plain=True) for n in drafting for span in self.spans]
         retiring = ("retire", retire, (self.state, np.zeros(self.slots, bool)), {})
         copies = [("copy in", prefix.copy_in, self._copy_in_args(0, [0], []), {})] if self.index else []
         copies += [("copy out", prefix.copy_out, self._copy_out_args(0, []), {})] if self.index else []
@@ -343,12 +353,13 @@ class Engine:
         seed: int = 0,
         owner: Any = None,
         logprobs: bool = False,
+        plain: bool = False,
     ) -> int:
         """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
         as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
         with the prompt, or take the longest prefix the prefix cache holds, and the rest is fed in chunks. With
-        `logprobs` (settings that record them), its steps carry its tokens' logprobs. Returns the prompt tokens
-        kept."""
+        `logprobs` (settings that record them), its steps carry its tokens' logprobs. `plain`: decoded without
+        speculation (`Row.plain`). Returns the prompt tokens kept."""
         if logprobs and not self.cfg.logprobs:
             raise EagleError("this engine records no logprobs; build it with settings whose `logprobs` is > 0")
         prompt = list(prompt)
@@ -366,7 +377,7 @@ class Engine:
             for piece in pieces(prompt, keep, self.chunks):
                 args = self._feed(slot, piece, limit, sampling, seed, logprobs)
                 self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
-        self.rows[slot] = Row(owner, True, prompt, 0, logprobs)
+        self.rows[slot] = Row(owner, True, prompt, 0, logprobs=logprobs, plain=plain)
         self.unoffered.append((slot, prompt))  # rows admitted next share its prompt already
         return keep
 
@@ -377,23 +388,25 @@ class Engine:
         live = self.live
         if not live:
             return []
+        tree = self.tree(live)
         with self._failing(live):
             self._offer()
-            needed = speculative.host_slots_needed(self.state, self.envelope[self.bucket(len(live))])
+            needed = speculative.host_slots_needed(self.state, tree)
             span = schedule.attention_span(int(needed[live].max()), self.capacity)
-            name, fn, args, static = self._cycle_call(span, live)
+            name, fn, args, static = self._cycle_call(span, live, plain=tree == PLAIN)
             out = self.compiled(name, fn, *args, **static)
             self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
-            counts, done, eos, tokens = self._outputs()
+            counts, done, eos, tokens, sources = self._outputs()
             recorded = {s: self._logprobs(s) for s in live if self.rows[s].logprobs}
         steps = []
         for slot in live:
             row = self.rows[slot]
             new = tokens[slot, row.shown : counts[slot]].tolist()
             logprobs = lps.tokens_of(recorded[slot], new, row.shown) if slot in recorded else None
+            where = [speculative.SOURCES[i] for i in sources[slot, row.shown : counts[slot]]]
             row.shown, row.cached = int(counts[slot]), row.cached + new
             finish = ("stop" if eos[slot] else "length") if done[slot] else None
-            steps.append(Step(slot, row.owner, new, finish, logprobs))
+            steps.append(Step(slot, row.owner, new, finish, logprobs=logprobs, sources=where, tree=tree))
             if finish:
                 row.owner, row.running = None, False
                 self.unoffered.append((slot, row.cached))
@@ -438,7 +451,7 @@ class Engine:
 
     def _outputs(self) -> tuple[np.ndarray, ...]:
         s = self.state
-        return distributed.host_value((s.counts, s.done, s.eos, s.out))
+        return distributed.host_value((s.counts, s.done, s.eos, s.out, s.sources))
 
     def _logprobs(self, slot: int) -> tuple[np.ndarray, ...]:
         """A row's logprob buffers on the host (`logprobs.row`)."""

@@ -79,6 +79,7 @@ def spec_state_shardings(
         key=replicated,
         controls=RowControls(by_row, by_row, by_row, by_row) if per_row else None,
         logprobs=Logprobs(by_row, by_row_wide, by_row_wide, by_row_wide) if logprobs else None,
+        sources=by_row_wide,
     )
 
 

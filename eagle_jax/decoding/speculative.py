@@ -56,9 +56,14 @@ class SpecState:
     key: jax.Array
     controls: RowControls | None = None  # per-row sampling (a server's rows); None: the static setting and `key`
     logprobs: lps.Logprobs | None = None  # emitted tokens' logprobs (`decoding.logprobs`); None: not recorded
+    sources: jax.Array | None = None  # [B, S] int8 where each token of `out` came from (`SOURCES`); None: untracked
 
 
-_PER_ROW = ("root", "draft_hidden", "history", "out", "counts", "limits", "done", "eos", "controls")  # [B, ...]
+SOURCES = ("target", "head", "context")  # a cycle's root (the target's own token), an accepted head or context draft
+
+
+# the fields of one row each, [B, ...]
+_PER_ROW = ("root", "draft_hidden", "history", "out", "counts", "limits", "done", "eos", "controls", "sources")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +186,7 @@ def prefill(tparams, dparams, tokens, lengths, limits, key, *, cfg: DecodeConfig
         cycle=jnp.int32(0),
         accept_lengths=jnp.full((capacity, b), -1, jnp.int32),
         key=key,
+        sources=jnp.zeros((b, capacity), jnp.int8),
     )
 
 
@@ -286,6 +292,7 @@ def _extend(
         key=key,
         controls=controls,
         logprobs=recorded,
+        sources=state.sources,
     )
 
 
@@ -308,6 +315,7 @@ def empty_state(cfg: DecodeConfig, batch: int, capacity: int, dtype) -> SpecStat
         accept_lengths=jnp.full((capacity, batch), -1, jnp.int32),
         key=jax.random.key(0),
         logprobs=lps.empty(batch, capacity, cfg.logprobs) if cfg.logprobs else None,
+        sources=jnp.zeros((batch, capacity), jnp.int8),
     )
 
 
@@ -434,6 +442,7 @@ def _verify(
     if recorded is not None:  # the target's logprobs after each accepted node: of the accepted drafts and the bonus
         recorded = lps.record(recorded, fwd.logits, path, pair_tokens, s.counts + 1, commit)
     eos = s.eos | hit_eos
+    sources = None if s.sources is None else _write(s.sources, s.counts, node_sources(path, tree), counts - s.counts)
     room = tcache.lengths + tree.cache_overhead <= tcache.capacity
     done = s.done | eos | (counts >= s.limits) | ~room
     return SpecState(
@@ -452,7 +461,14 @@ def _verify(
         key=s.key,
         controls=s.controls,
         logprobs=recorded,
+        sources=sources,
     )
+
+
+def node_sources(path: jax.Array, tree: TreeConfig) -> jax.Array:
+    """The source (index into `SOURCES`) of each node of paths [B, P]: the root is the target's own token, then the
+    head's nodes (a context candidate equal to one merged into it), then the context branch grafted after them."""
+    return jnp.where(path == 0, 0, jnp.where(path < tree.head_nodes, 1, 2)).astype(jnp.int8)
 
 
 def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, positions: jax.Array) -> jax.Array:

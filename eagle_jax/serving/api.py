@@ -16,6 +16,8 @@ request id, its traceback logged once, and the connection is kept. Fields the se
 Logprobs (chat `logprobs` + `top_logprobs`, completions `logprobs`) are the target's raw ones (`serving.logprobs`);
 each chunk of a stream carries those of the tokens received since the last. On shutdown (`serve`) running requests
 have a grace period to finish; those cut at its end get 503 (whole answers) or an error event and `[DONE]` (streams).
+A request's `eagle` object may ask for the stream's extension field (`"trace": true`, `serving.trace`) or plain
+decoding (`"speculate": false`); `GET /` is the chat page (`web/`) that uses both.
 """
 
 from __future__ import annotations
@@ -34,10 +36,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from eagle_jax.decoding import prefix
@@ -46,6 +50,7 @@ from eagle_jax.errors import EagleError
 from eagle_jax.io.loading import encode_chat
 from eagle_jax.serving import batcher as batching
 from eagle_jax.serving import logprobs as logprob_shapes
+from eagle_jax.serving.trace import Trace
 
 RETRY_AFTER_S = 1
 MAX_STOPS = 4
@@ -67,6 +72,8 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
 MAX_DIGITS = sys.get_int_max_str_digits() or 4300  # the longest integer a body may hold
 SHUTDOWN = "the server shut down before the answer was complete; retry"
 PROMPT_HELP = "'prompt' must be a non-empty string, a list of token ids, or a non-empty list of either"
+EAGLE = {"trace": False, "speculate": True}  # the request's `eagle` object: its fields and their defaults
+WEB = Path(__file__).parent / "web"  # the chat page (plain HTML, CSS and JavaScript)
 ERROR_TYPES = {404: "not_found_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 
 
@@ -120,6 +127,8 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: int | None = None  # alternatives per token when the tokens' logprobs were asked for
+    trace: bool = False  # chunks carry the `eagle` field (`serving.trace`)
+    speculate: bool = True  # False: decoded plainly
 
 
 @dataclass
@@ -134,6 +143,7 @@ class Choice:
     logprobs: list = field(default_factory=list)  # `TokenLogprobs` of `ids`, when asked for
     logprobs_sent: int = 0  # of them already handed out
     chars: int = 0  # characters of the texts of the tokens whose logprobs were handed out (a completion's offsets)
+    trace: Trace | None = None  # where its tokens came from (asked for: `Parsed.trace`)
 
 
 def _shown(value: object) -> str:
@@ -384,6 +394,12 @@ class Api:
                 "'stream_options' must be an object {include_usage: true or false}", param="stream_options"
             )
         include_usage = bool(options and options.get("include_usage"))
+        eagle = body.get("eagle") or {}
+        if not isinstance(eagle, dict) or not all(k in EAGLE and v in (None, True, False) for k, v in eagle.items()):
+            raise BadRequest(
+                "'eagle' must be an object {trace: true or false, speculate: true or false}", param="eagle"
+            )
+        eagle = {**EAGLE, **{k: v for k, v in eagle.items() if v is not None}}
         param = "messages" if chat else "prompt"
         for prompt in prompts:
             try:
@@ -393,7 +409,8 @@ class Api:
             self._check_context(len(prompt), max_tokens, max_name)
         max_tokens = max_tokens or self.default_max_tokens  # a row stops where its context ends
         logprobs = self._logprobs(body, chat)
-        return Parsed(tuple(prompts), max_tokens, sampling, seed, stops, stream, include_usage, logprobs)
+        args = (stops, stream, include_usage, logprobs, eagle["trace"], eagle["speculate"])
+        return Parsed(tuple(prompts), max_tokens, sampling, seed, *args)
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
         """The alternatives per token a request asks logprobs with (chat: `logprobs` true and `top_logprobs`;
@@ -433,9 +450,11 @@ class Api:
                 on_tokens=lambda ids: put("tokens", ids),
                 on_finish=lambda why: put("finish", why),
                 on_logprobs=None if parsed.logprobs is None else lambda lp: put("logprobs", lp),
+                speculate=parsed.speculate,
+                on_sources=(lambda *cycle: put("sources", cycle)) if parsed.trace else lambda *cycle: None,
             )
 
-        choices = [Choice(request(i, p)) for i, p in enumerate(parsed.prompts)]
+        choices = [Choice(request(i, p), trace=Trace() if parsed.trace else None) for i, p in enumerate(parsed.prompts)]
         self.engine.submit(*(c.req for c in choices))
         self.inflight.add(events)
         return choices, events
@@ -470,11 +489,16 @@ class Api:
                     continue
                 if kind == "finish" and value == "error":
                     raise EngineFailed
+                if kind == "sources":
+                    c.trace.cycle(*value)
+                    continue
                 if kind == "finish":
                     c.reason = "length" if value == "length" else "stop"
                     yield i, decode(c.ids)[c.sent :], c.reason
                     continue
                 before, c.ids = len(c.ids), c.ids + value
+                if c.trace is not None:
+                    c.trace.tokens(c.ids, decode)
                 text = decode(c.ids)
                 cut = _stop_at(text, parsed.stops)
                 if cut >= 0:  # usage counts up to the token that completes the stop string
@@ -552,10 +576,12 @@ class Api:
             body = self._body(rid, created, chat, "message", parts)
             return JSONResponse({**body, "usage": self._usage(parsed, choices)})
 
-        def chunk(choice: dict | None, usage: dict | None = None) -> str:
+        def chunk(choice: dict | None, usage: dict | None = None, trace: Trace | None = None, delta: str = "") -> str:
             body = self._body(rid, created, chat, "delta", [choice] if choice else [])
             if usage is not None:
                 body["usage"] = usage
+            if trace is not None:
+                body["eagle"] = trace.field(delta)
             return f"data: {json.dumps(body)}\n\n"
 
         async def stream() -> AsyncIterator[str]:
@@ -564,11 +590,13 @@ class Api:
             try:
                 async for i, delta, why in self.deltas(parsed, choices, events):
                     c = choices[i]
+                    trace = c.trace
                     if delta or (parsed.logprobs is not None and c.logprobs_sent < c.tokens):
                         lp = self._lp(parsed, chat, c)
-                        yield chunk(_choice(chat, "delta", {"content": delta} if chat else delta, None, i, lp))
+                        content = {"content": delta} if chat else delta
+                        yield chunk(_choice(chat, "delta", content, None, i, lp), None, trace, delta)
                     if why:
-                        yield chunk(_choice(chat, "delta", {} if chat else "", why, i))
+                        yield chunk(_choice(chat, "delta", {} if chat else "", why, i), None, trace)
             except ShuttingDown:
                 yield f"data: {json.dumps(error_body(SHUTDOWN, 503, code='server_shutdown'))}\n\n"
             except EngineFailed:
@@ -759,5 +787,11 @@ def create_app(
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(metrics_text(engine), media_type="text/plain; version=0.0.4")
+
+    @app.get("/")
+    async def page():
+        return FileResponse(WEB / "index.html")
+
+    app.mount("/web", StaticFiles(directory=WEB), name="web")
 
     return app

@@ -30,7 +30,7 @@ from eagle_jax.decoding import logprobs as lps
 from eagle_jax.decoding.engine import EngineError
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig
-from eagle_jax.decoding.tree import TreeConfig
+from eagle_jax.decoding.tree import TreeConfig, envelope_name
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed
 
@@ -46,7 +46,9 @@ class Request:
     """A generation request. `on_tokens(new ids)` and `on_finish(reason)` are called from the engine thread (a
     waiting request cancelled: from the cancelling one); reason is "stop" (an eos id), "length" (its budget or the
     cache), "cancelled" or "error" (the engine failed). With `on_logprobs`, the row records its tokens' logprobs
-    (`decoding.logprobs`), handed to it just before the tokens they belong to."""
+    (`decoding.logprobs`), handed to it just before the tokens they belong to. Before each `on_tokens`,
+    `on_sources(where each new id came from, the envelope's name)` (`speculative.SOURCES`, `tree.envelope_name`).
+    `speculate=False`: decoded plainly (`engine.Row.plain`)."""
 
     prompt: list[int]
     max_tokens: int
@@ -59,6 +61,10 @@ class Request:
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     on_cancel: Callable[[Request], None] = dataclasses.field(default=lambda req: None, repr=False, compare=False)
     on_logprobs: Callable[[list[lps.TokenLogprobs]], None] | None = None
+    speculate: bool = True
+    on_sources: Callable[[list[str], str], None] = dataclasses.field(
+        default=lambda sources, tree: None, repr=False, compare=False
+    )
 
     def cancel(self) -> None:
         """Stop generating (a client went away or a stop string was met): a waiting request leaves the queue at
@@ -116,6 +122,7 @@ class SlotChanges:
                 dataclasses.asdict(a.request.sampling),
                 a.request.seed,
                 a.request.on_logprobs is not None,
+                a.request.speculate,
             ]
             for a in self.admit
         ]
@@ -137,9 +144,10 @@ class SlotChanges:
                     _ignore,
                     _ignore,
                     on_logprobs=_ignore if logprobs else None,
+                    speculate=spec,
                 ),
             )
-            for slot, prompt, max_tokens, sampling, seed, logprobs in doc["admit"]
+            for slot, prompt, max_tokens, sampling, seed, logprobs, spec in doc["admit"]
         )
         return SlotChanges(tuple(doc["cancel"]), tuple(admit))
 
@@ -314,7 +322,14 @@ class Batcher:
                 req = pending.pop(0)
                 wants = req.on_logprobs is not None
                 kept = self.engine.admit(
-                    a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req, logprobs=wants
+                    a.slot,
+                    req.prompt,
+                    req.max_tokens,
+                    req.sampling,
+                    req.seed,
+                    owner=req,
+                    logprobs=wants,
+                    plain=not req.speculate,
                 )
                 with self.wake:
                     self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
@@ -337,6 +352,7 @@ class Batcher:
                 self.stats.generated_tokens += len(step.tokens)
                 if step.logprobs is not None:
                     step.owner.on_logprobs(step.logprobs)
+                step.owner.on_sources(step.sources, envelope_name(step.tree))
                 step.owner.on_tokens(step.tokens)
             if step.finish:
                 self._finish(step.owner, step.finish)
