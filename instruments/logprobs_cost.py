@@ -5,9 +5,9 @@ asking, and with every row asking (the device's top-K and the host's read of the
         [--json OUT]
 
 Each setting runs the same greedy answers (so the same cycles) for a speculative tree and for plain decoding, after
-an untimed run of them (which compiles their programs); the settings alternate, `--repeats` times, and each keeps
-its fastest repeat's mean time per cycle. The ratios to the engine without buffers are the figures (one run, one
-machine). Without --target: SmolLM2-135M and its EAGLE-3 head.
+an untimed run of them (which compiles their programs); the engines take turns cycle by cycle, `--repeats` times.
+The figures are the median ratio of a cycle's time to the same cycle's without buffers (one run, one machine).
+Without --target: SmolLM2-135M and its EAGLE-3 head.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from eagle_jax.decoding.engine import Engine
 from eagle_jax.decoding.logprobs import MAX_TOP
@@ -43,15 +44,21 @@ SETTINGS = {
 }
 
 
-def cycle_seconds(engine: Engine, prompts: list[list[int]], cycles: int, ask: bool) -> tuple[float, int]:
-    """Mean seconds per cycle over `cycles` cycles of greedy answers to `prompts` (one row each), and the tokens."""
-    for slot, prompt in enumerate(prompts):
-        engine.admit(slot, prompt, 4 * cycles * 8, SamplingConfig(temperature=0.0), owner=slot, logprobs=ask)
-    tokens, t0 = 0, time.perf_counter()
+def cycle_seconds(engines: dict, prompts: list[list[int]], cycles: int) -> tuple[dict, dict]:
+    """Per engine (keyed by (tree, setting)), the seconds of each of `cycles` cycles of greedy answers to `prompts`
+    (one row each), and its tokens: the engines take turns cycle by cycle, so a busy machine slows them alike."""
+    for (_, setting), engine in engines.items():
+        for slot, prompt in enumerate(prompts):
+            greedy = SamplingConfig(temperature=0.0)
+            engine.admit(slot, prompt, 8 * cycles, greedy, owner=slot, logprobs=SETTINGS[setting][1])
+    seconds, tokens = {key: [] for key in engines}, dict.fromkeys(engines, 0)
     for _ in range(cycles):
-        tokens += sum(len(s.tokens) for s in engine.cycle())
-    seconds = (time.perf_counter() - t0) / cycles
-    engine.cancel(engine.live)
+        for key, engine in engines.items():
+            t0 = time.perf_counter()
+            tokens[key] += sum(len(s.tokens) for s in engine.cycle())
+            seconds[key].append(time.perf_counter() - t0)
+    for engine in engines.values():
+        engine.cancel(engine.live)
     return seconds, tokens
 
 
@@ -82,27 +89,18 @@ def main(argv: list[str] | None = None) -> dict:
         for tree in trees
         for setting, (k, _) in SETTINGS.items()
     }
-    for (_, setting), engine in engines.items():  # compiles the programs the measured cycles run
-        cycle_seconds(engine, prompts, args.cycles, SETTINGS[setting][1])
-    best: dict[tuple[str, str], tuple[float, int]] = {}
+    cycle_seconds(engines, prompts, args.cycles)  # compiles the programs the measured cycles run
+    seconds: dict = {key: [] for key in engines}
     for _ in range(args.repeats):
-        for (tree, setting), engine in engines.items():
-            got = cycle_seconds(engine, prompts, args.cycles, SETTINGS[setting][1])
-            best[tree, setting] = min(best.get((tree, setting), got), got)
+        got, tokens = cycle_seconds(engines, prompts, args.cycles)
+        for key in engines:
+            seconds[key] += got[key]
     rows = []
-    for tree in trees:
-        base = best[tree, "no buffers"][0]
-        for setting in SETTINGS:
-            seconds, tokens = best[tree, setting]
-            rows.append(
-                {
-                    "tree": tree,
-                    "setting": setting,
-                    "cycle_ms": 1000 * seconds,
-                    "ratio": seconds / base,
-                    "tokens": tokens,
-                }
-            )
+    for tree, setting in engines:
+        base = np.asarray(seconds[tree, "no buffers"])
+        mine = np.asarray(seconds[tree, setting])
+        ms, ratio = 1000 * float(np.median(mine)), float(np.median(mine / base))  # paired: the same cycle's turn
+        rows.append({"tree": tree, "setting": setting, "cycle_ms": ms, "ratio": ratio, "tokens": tokens[tree, setting]})
     report = {
         "target": str(args.target.name),
         "draft": str(args.draft),
@@ -114,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         "buffer_bytes": args.slots * args.capacity * (1 + 2 * MAX_TOP) * 4,
         "rows": rows,
     }
-    print("| tree | setting | ms per cycle | ratio to no buffers | tokens |")
+    print("| tree | setting | median ms per cycle | median ratio to no buffers, cycle by cycle | tokens |")
     print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tree']} | {r['setting']} | {r['cycle_ms']:.2f} | {r['ratio']:.3f} | {r['tokens']} |")

@@ -843,8 +843,9 @@ def test_two_processes_refuse_what_they_cannot_serve_in_one_line(case, tmp_path)
 
 def test_two_processes_serve_as_one(served, tmp_path):
     """`infer.serve` as a two-host job (two processes of two CPU devices, one data=2,fsdp=2 mesh): process 0
-    answers, process 1 decodes in step. Concurrent greedy answers equal plain decoding, a client that goes
-    away frees its slot, a seeded sample equals the one-process server's, and stopping process 0 stops both cleanly."""
+    answers, process 1 decodes in step. Concurrent greedy answers (some with logprobs) equal plain decoding, a client
+    that goes away frees its slot, a seeded sample equals the one-process server's, and stopping process 0 stops both
+    cleanly."""
     port = free_port()
     # every row here fits 128 slots: one attention span (and fewer plan sizes) for both processes to compile
     procs, logs = two_hosts(
@@ -863,7 +864,8 @@ def test_two_processes_serve_as_one(served, tmp_path):
         models = served[2]
         jobs = [(QUESTIONS[i], 6 + 5 * i, i % 2 == 0) for i in range(6)]
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            answers = list(pool.map(lambda job: ask(url, *job, model="target", temperature=0), jobs))
+            # the streamed ones ask for logprobs too (every process reads their rows' buffers in step)
+            answers = list(pool.map(lambda job: ask(url, *job, model="target", temperature=0, logprobs=job[2]), jobs))
         for (question, max_tokens, _), (text, _) in zip(jobs, answers):
             assert text == plain_answer(models, question, max_tokens)
         body = {"messages": [{"role": "user", "content": QUESTIONS[2]}], "max_tokens": 90, "stream": True}  # 128 cached

@@ -104,7 +104,7 @@ class DecodeConfig:
     dcfg: DraftConfig | None = None
     tree: TreeConfig = PLAIN
     sampling: SamplingConfig = SamplingConfig()
-    logprobs: int = 0  # top alternatives recorded per emitted token for rows that ask (`decoding.logprobs`); 0: none
+    logprobs: int = 0  # alternatives recorded per token for rows `extend` asks to (`decoding.logprobs`); 0: none
 
 
 def head_for(cfg: DecodeConfig, dparams) -> tuple[DecodeConfig, dict | None]:
