@@ -8,6 +8,11 @@ handed out. Its operations: `admit` a prompt into a row (an extend of the row th
 share with the prompt), `cycle` the live rows (plain decoding is the cycle with `tree.PLAIN`), `cancel` rows.
 The chat session, the server's batcher, one-shot and streamed generation drive one; none runs a program itself.
 
+A row may follow a grammar (`grammar.Matcher`, on the host beside the row): its root is drawn under the grammar's
+mask, and each cycle runs as two programs, `speculative.cycle_draft` then `speculative.cycle_verify`, with the
+masks of every tree node computed on the host in between (a plain step's single mask is known before its cycle:
+one program). Chains the grammar forces are drafted as the context candidates of the row.
+
 Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
 rule of the settings with the key of the seed a row is admitted with (what `speculative.generate` does).
 
@@ -30,6 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from eagle_jax.decoding import grammar as grammars
 from eagle_jax.decoding import programs, schedule, speculative
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -108,13 +114,15 @@ def buckets(slots: int, mesh: Mesh | None) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class Row:
-    """The host's side of one device row: whom it serves while it runs, and what its caches hold. Later per-row
-    state (a grammar, a stop rule) belongs here."""
+    """The host's side of one device row: whom it serves while it runs, what its caches hold, and the grammar its
+    answer follows (None: free text), after the tokens committed and the root. Later per-row state (a stop rule)
+    belongs here."""
 
     owner: Any = None  # the caller's handle of the answer being generated (None: the row is free)
     running: bool = False
     cached: list[int] = dataclasses.field(default_factory=list)  # token ids the caches hold (positions 0..)
     shown: int = 0  # tokens of the current answer already handed out
+    grammar: grammars.Matcher | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +263,31 @@ class Engine:
         rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
         return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
 
+    def _constrained(self, span: int, live: Sequence[int]) -> SpecState:
+        """One cycle of the live rows, some of which follow grammars: a plain step under the roots' masks, or the
+        tree drafted (forced chains as its context candidates), masked node by node on the host, and verified."""
+        n = self.bucket(len(live))
+        cfg, static, params = self.settings[n], {"cfg": self.settings[n], "span": span}, (self.tparams, self.dparams)
+        idle = [s for s in range(self.slots) if s not in live]
+        rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
+        matchers = [self.rows[s].grammar for s in (range(self.slots) if rows is None else rows)]
+        vocab, tag = self.cfg.tcfg.vocab_size, f"{cfg.tree} rows {n} span {span}"
+        if not cfg.tree.drafts:
+            masks = np.stack([m.mask() if m else grammars.everything((), vocab) for m in matchers])[:, None]
+            out = self.compiled(f"cycle {tag} masked", speculative.cycle, *params, self.state, rows, masks, **static)
+            return out[0]
+        forced = grammars.forced_chains(matchers, cfg.tree.context) if cfg.tree.context else None
+        drafted = self.compiled(f"draft {tag}", speculative.cycle_draft, *params, self.state, rows, forced, **static)
+        state, tr, wide = drafted
+        tokens, parents = distributed.host_value((tr.tokens, tr.parents))  # [R, N]
+        masks = np.stack(
+            [
+                m.tree_masks(t, p) if m else grammars.everything(t.shape, vocab)
+                for m, t, p in zip(matchers, tokens, parents, strict=True)
+            ]
+        )
+        return self.compiled(f"verify {tag}", speculative.cycle_verify, *params, state, tr, wide, masks, rows, **static)
+
     def _feed(self, slot: int, piece: Piece, limit: int, sampling: SamplingConfig | None, seed: int) -> tuple:
         """`speculative.extend`'s arguments that feed a piece of a prompt into one row."""
         start, n, limits = (np.asarray([x], np.int32) for x in (piece.start, piece.n, limit))
@@ -318,20 +351,26 @@ class Engine:
         sampling: SamplingConfig | None = None,
         seed: int = 0,
         owner: Any = None,
+        grammar: grammars.Matcher | None = None,
     ) -> int:
         """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
-        as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
-        with the prompt, the rest is fed in chunks. Returns the prompt tokens kept."""
+        as `sampling` says with `seed` (per-row engines; else the static rule), following `grammar` (a fresh
+        matcher) when given: its caches keep what they share with the prompt, the rest is fed in chunks. Returns
+        the prompt tokens kept."""
         prompt = list(prompt)
         limit = int(schedule.plan([len(prompt)], max_tokens, self.overhead, self.capacity).limits[0])
         row = self.rows[slot]
         keep = reusable(row.cached, prompt)
         self.rows[slot] = Row(owner, False, [], 0)
         with self._failing([slot]):
+            masked = () if grammar is None else (grammar.mask()[None],)  # [1, W] the root's
             for piece in pieces(prompt, keep, self.chunks):
-                args = self._feed(slot, piece, limit, sampling, seed)
-                self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
-        self.rows[slot] = Row(owner, True, prompt, 0)
+                args = (*self._feed(slot, piece, limit, sampling, seed), *masked)
+                name = f"extend {piece.tokens.shape[0]}{' masked' if masked else ''}"
+                self.state = self.compiled(name, speculative.extend, *args, cfg=self.cfg)
+            if grammar is not None:
+                grammar.advance([int(distributed.host_value(self.state.root)[slot])])
+        self.rows[slot] = Row(owner, True, prompt, 0, grammar)
         return keep
 
     def cycle(self) -> list[Step]:
@@ -344,16 +383,22 @@ class Engine:
         with self._failing(live):
             needed = speculative.host_slots_needed(self.state, self.envelope[self.bucket(len(live))])
             span = schedule.attention_span(int(needed[live].max()), self.capacity)
-            name, fn, args, static = self._cycle_call(span, live)
-            out = self.compiled(name, fn, *args, **static)
-            self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
+            if any(self.rows[s].grammar is not None for s in live):
+                self.state = self._constrained(span, live)
+            else:
+                name, fn, args, static = self._cycle_call(span, live)
+                out = self.compiled(name, fn, *args, **static)
+                self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
             counts, done, eos, tokens = self._outputs()
+            roots = distributed.host_value(self.state.root) if any(self.rows[s].grammar for s in live) else None
         steps = []
         for slot in live:
             row = self.rows[slot]
             new = tokens[slot, row.shown : counts[slot]].tolist()
             row.shown, row.cached = int(counts[slot]), row.cached + new
             finish = ("stop" if eos[slot] else "length") if done[slot] else None
+            if row.grammar is not None and not finish:
+                row.grammar.advance([*new[1:], int(roots[slot])])  # the last root was consumed before
             steps.append(Step(slot, row.owner, new, finish))
             if finish:
                 row.owner, row.running = None, False

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.decoding import acceptance, context, schedule
+from eagle_jax.decoding import acceptance, context, grammar, schedule
 from eagle_jax.decoding import rows as rows_sampling
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.emit import PAD_ID, emit
@@ -195,6 +195,7 @@ def extend(
     key,
     controls: RowControls | None = None,
     rows: jax.Array | None = None,
+    masks: jax.Array | None = None,
     *,
     cfg: DecodeConfig,
 ) -> SpecState:
@@ -208,15 +209,18 @@ def extend(
     Rows fed nothing (n = 0) are left as they were. With `controls` (per-row sampling, a server's batch) the
     starting rows take their settings and seeds from it (`decoding.rows`: keys follow sequence positions). The tree of
     `cfg` plays no part. With `rows` [R] (distinct int32) only those rows are computed, and the per-row
-    arguments are theirs ([R], [R, C]); the others are left as they are.
+    arguments are theirs ([R], [R, C]); the others are left as they are. `masks` [B, W] (`grammar`): the tokens
+    each starting row's root may be.
     """
-    args = (start, tokens, next_tokens, n, final, limits, key, controls)
+    args = (start, tokens, next_tokens, n, final, limits, key, controls, masks)
     if rows is None:
         return _extend(tparams, dparams, state, *args, cfg)
     return put_rows(state, _extend(tparams, dparams, take_rows(state, rows), *args, cfg), rows)
 
 
-def _extend(tparams, dparams, state: SpecState, start, tokens, next_tokens, n, final, limits, key, controls, cfg):
+def _extend(
+    tparams, dparams, state: SpecState, start, tokens, next_tokens, n, final, limits, key, controls, masks, cfg
+):
     """`extend` of every row."""
     tcfg, dcfg = cfg.tcfg, cfg.dcfg
     b, c = tokens.shape
@@ -238,7 +242,7 @@ def _extend(tparams, dparams, state: SpecState, start, tokens, next_tokens, n, f
     if controls is not None:
         old = state.controls if state.controls is not None else controls
         controls = jax.tree.map(lambda new, old: jnp.where(starts, new, old), controls, old)
-    logits = target.lm_logits(tparams, tcfg, fwd.hidden[rows, last])  # [B, V]
+    logits = grammar.restrict(target.lm_logits(tparams, tcfg, fwd.hidden[rows, last]), masks)  # [B, V]
     if controls is None:
         root = sample(jax.random.fold_in(key, 0), logits, cfg.sampling)
     else:
@@ -311,13 +315,26 @@ def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     return functools.reduce(jnp.maximum, _lengths(s)) + tree.cache_overhead
 
 
-def one_cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None) -> tuple[SpecState, Tree]:
+def one_cycle(
+    tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None, masks: jax.Array | None = None
+) -> tuple[SpecState, Tree]:
     """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
-    running row's `slots_needed`). Returns the new state and this cycle's tree.
+    running row's `slots_needed`). Returns the new state and this cycle's tree. `masks` [B, N, W]: the tokens the
+    target may choose after each node (`grammar`; a plain step's root only, as the tree is drafted here).
 
     When no running row has context candidates, only the head's part of the tree is verified (the root alone
     without a head: plain decoding's step): it accepts what the whole tree would, at the cost of a smaller
     forward."""
+    tr, dcache, wide = draft_tree(tparams, dparams, s, cfg, span)
+    return verify_tree(tparams, dparams, s, tr, dcache, wide, cfg, span, masks), tr
+
+
+def draft_tree(
+    tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None, forced: tuple | None = None
+) -> tuple[Tree, KVCache | None, jax.Array | None]:
+    """The cycle's tree, the head's cache after drafting it, and whether a running row has context candidates (None
+    without context candidates). `forced` (tokens [B, context], valid [B, context]): chains a grammar forces,
+    drafted instead of the context candidates of the rows that have one."""
     tcfg, dcfg, tree = cfg.tcfg, cfg.dcfg, cfg.tree
     embed = tparams["embed"]
     head = target.output_head(tparams, tcfg)
@@ -326,6 +343,9 @@ def one_cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | Non
         with jax.named_scope("context"):  # prompt lookup in the row's own history
             history = s.history if span is None else s.history[:, :span]
             candidates = context.propose(history, s.target_cache.lengths, tree.context, tree.min_match)
+            if forced is not None:
+                use = forced[1][:, :1]  # [B, 1]
+                candidates = (jnp.where(use, forced[0], candidates[0]), jnp.where(use, forced[1], candidates[1]))
     if tree.needs_head:
         with jax.named_scope("draft_levels"):
             ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
@@ -335,32 +355,49 @@ def one_cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | Non
     else:
         start = trees.TreeStart(s.root, s.draft_hidden, None, None, None)
         tr, dcache = trees.build(tree, start, None, s.draft_cache, candidates)
+    return tr, dcache, None if candidates is None else jnp.any(candidates[1][:, 0] & ~s.done)
+
+
+def verify_tree(
+    tparams,
+    dparams,
+    s: SpecState,
+    tr: Tree,
+    dcache: KVCache | None,
+    wide: jax.Array | None,
+    cfg: DecodeConfig,
+    span: int | None,
+    masks: jax.Array | None = None,
+) -> SpecState:
+    """The target's forward over the tree `tr` (`draft_tree`: its cache and `wide`), its choices under masks
+    [B, N, W] (every token where None), acceptance and the commit: the state after the cycle."""
+    tree, embed = cfg.tree, tparams["embed"]
     forward = functools.partial(_forward, tparams, s, cfg=cfg, span=span)
     if not tree.context:
-        fwd, choice = forward(tr, write=True)
+        fwd, choice = forward(tr, write=True, masks=masks)
     else:  # the cache is only read under the cond (written there, XLA would copy it whole): the path, after
         n, width = tree.head_nodes, tr.tokens.shape[1]  # without candidates, only the head's part (or the root)
 
         def narrow():
             part = Tree(tr.tokens[:, :n], tr.parents[:, :n], tr.depths[:, :n], tr.mask[:, :n, :n])
-            fwd, choice = forward(part, write=False)
+            fwd, choice = forward(part, write=False, masks=None if masks is None else masks[:, :n])
             pad = lambda a, axis: jnp.pad(a, [(0, width - n if d == axis else 0) for d in range(a.ndim)])  # noqa: E731
             return pad(fwd.hidden, 1), pad(fwd.features, 1), tuple(pad(a, 3) for a in fwd.new_kv), pad(choice, 1)
 
         def full():
-            fwd, choice = forward(tr, write=False)
+            fwd, choice = forward(tr, write=False, masks=masks)
             return fwd.hidden, fwd.features, fwd.new_kv, choice
 
-        hidden, features, new_kv, choice = jax.lax.cond(jnp.any(candidates[1][:, 0] & ~s.done), full, narrow)
+        hidden, features, new_kv, choice = jax.lax.cond(wide, full, narrow)
         fwd = target.TargetOutput(None, hidden, features, s.target_cache, new_kv)
-    return _verify(dparams, s, dcache, tr, fwd, choice, cfg=cfg, span=span, embed=embed), tr
+    return _verify(dparams, s, dcache, tr, fwd, choice, cfg=cfg, span=span, embed=embed)
 
 
 def _forward(
-    tparams, s: SpecState, tr: Tree, *, cfg: DecodeConfig, span: int | None, write: bool
+    tparams, s: SpecState, tr: Tree, *, cfg: DecodeConfig, span: int | None, write: bool, masks: jax.Array | None
 ) -> tuple[target.TargetOutput, jax.Array]:
     """One target forward over the tree (writing its entries into the cache, or not: `target.forward`) and the
-    target's choices [B, N]: the token it takes after each node."""
+    target's choices [B, N]: the token it takes after each node, among those masks [B, N, W] allow."""
     tcfg = cfg.tcfg
     with jax.named_scope("verify"):
         positions = s.target_cache.lengths[:, None] + tr.depths
@@ -376,7 +413,7 @@ def _forward(
             write=write,
         )
     with jax.named_scope("sample"):
-        return fwd, _draw(s, fwd.logits, cfg.sampling, s.cycle + 1, positions + 1)
+        return fwd, _draw(s, grammar.restrict(fwd.logits, masks), cfg.sampling, s.cycle + 1, positions + 1)
 
 
 def _verify(
@@ -445,14 +482,59 @@ def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, posit
 
 @functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
 def cycle(
-    tparams, dparams, state: SpecState, rows: jax.Array | None = None, *, cfg: DecodeConfig, span: int | None = None
+    tparams,
+    dparams,
+    state: SpecState,
+    rows: jax.Array | None = None,
+    masks: jax.Array | None = None,
+    *,
+    cfg: DecodeConfig,
+    span: int | None = None,
 ) -> tuple[SpecState, Tree]:
     """One jitted cycle (the streaming path) of every row, or of `rows` [R] (distinct int32) only: a server's live
-    rows cost what R rows cost, and the others are left as they are."""
+    rows cost what R rows cost, and the others are left as they are. `masks` [R, N, W]: `one_cycle`."""
     if rows is None:
-        return one_cycle(tparams, dparams, state, cfg, span)
-    part, tr = one_cycle(tparams, dparams, take_rows(state, rows), cfg, span)
+        return one_cycle(tparams, dparams, state, cfg, span, masks)
+    part, tr = one_cycle(tparams, dparams, take_rows(state, rows), cfg, span, masks)
     return put_rows(state, part, rows), tr
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
+def cycle_draft(
+    tparams,
+    dparams,
+    state: SpecState,
+    rows: jax.Array | None = None,
+    forced: tuple | None = None,
+    *,
+    cfg: DecodeConfig,
+    span: int | None = None,
+) -> tuple[SpecState, Tree, jax.Array | None]:
+    """A cycle's first half (rows whose tree is masked by a grammar on the host): the state holding the head's
+    cache as drafting left it, the tree and `wide` (`draft_tree`); `cycle_verify` finishes the cycle."""
+    part = state if rows is None else take_rows(state, rows)
+    tr, dcache, wide = draft_tree(tparams, dparams, part, cfg, span, forced)
+    part = dataclasses.replace(part, draft_cache=dcache)
+    return (part if rows is None else put_rows(state, part, rows)), tr, wide
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
+def cycle_verify(
+    tparams,
+    dparams,
+    state: SpecState,
+    tr: Tree,
+    wide: jax.Array | None,
+    masks: jax.Array,
+    rows: jax.Array | None = None,
+    *,
+    cfg: DecodeConfig,
+    span: int | None = None,
+) -> SpecState:
+    """A cycle's second half after `cycle_draft`: the tree verified under masks [R, N, W] (`verify_tree`)."""
+    part = state if rows is None else take_rows(state, rows)
+    part = verify_tree(tparams, dparams, part, tr, part.draft_cache, wide, cfg, span, masks)
+    return part if rows is None else put_rows(state, part, rows)
 
 
 def take_rows(s: SpecState, rows: jax.Array) -> SpecState:
