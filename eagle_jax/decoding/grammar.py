@@ -8,7 +8,8 @@ renormalised (`restrict`, before temperature, top-k and top-p) is kept exactly, 
 grammar allows one continuation only, `Matcher.forced` gives it: a chain the grammar drafts for free.
 
 Masks are data (arrays given to the programs), never static arguments: a new schema compiles no new program.
-Compiled grammars are cached by the hash of their canonical text (`Grammars`).
+Compiled grammars (a matcher at the start, copied for each row) are cached by the hash of their kind and canonical
+text (`Grammars`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Grammars:
         self.eos_ids = tuple(eos_ids)
         self._compiled = functools.lru_cache(maxsize=cache)(self._compile)
 
-    def _compile(self, constraint: Constraint) -> str:
+    def _compile(self, constraint: Constraint) -> Matcher:
         import llguidance
 
         try:
@@ -112,20 +113,17 @@ class Grammars:
         failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(definition, self.tokenizer)
         if failed or messages:  # warnings too: an unknown format or keyword would silently not be enforced
             raise GrammarError(f"{constraint.kind} refused: {_line(messages[0] if messages else 'rejected')}; fix it")
-        self._matcher(definition).mask()  # the lazy part of the compilation (and a check that it can start)
-        return definition
-
-    def _matcher(self, definition: str) -> Matcher:
-        import llguidance
-
         m = llguidance.LLMatcher(self.tokenizer, definition, limits=llguidance.LLParserLimits(**LIMITS))
         if m.is_error():
-            raise GrammarError(f"invalid grammar: {_line(m.get_error())}")
-        return Matcher(m, self.words, self.eos_ids)
+            raise GrammarError(f"{constraint.kind} refused: {_line(m.get_error())}; fix it")
+        start = Matcher(m, self.words, self.eos_ids)
+        start.mask()  # the lazy part of the compilation (and a check that it can start)
+        return start
 
     def matcher(self, constraint: Constraint) -> Matcher:
-        """A fresh matcher at the start of `constraint` (compiled once per distinct constraint)."""
-        return self._matcher(self._compiled(constraint))
+        """A fresh matcher at the start of `constraint` (compiled once per distinct constraint, then copied)."""
+        start = self._compiled(constraint)
+        return Matcher(start.m.deep_copy(), start.words, start.eos_ids)
 
     def check(self, constraint: Constraint) -> None:
         """Compile (or find cached) `constraint`; raises GrammarError naming the problem."""

@@ -28,6 +28,7 @@ import math
 import reprlib
 import secrets
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -38,10 +39,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from eagle_jax.decoding.grammar import Constraint, Grammars
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io.loading import encode_chat
 from eagle_jax.serving import batcher as batching
+from eagle_jax.serving import structured
 
 RETRY_AFTER_S = 1
 MAX_STOPS = 4
@@ -54,7 +57,6 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "logit_bias": lambda v: not v,
     "presence_penalty": lambda v: v in (None, 0),
     "frequency_penalty": lambda v: v in (None, 0),
@@ -117,6 +119,7 @@ class Parsed:
     stops: tuple[str, ...]
     stream: bool
     include_usage: bool
+    constraint: Constraint | None = None  # the grammar each answer follows (`structured`)
 
 
 @dataclass
@@ -248,6 +251,17 @@ class Api:
         self.loop: asyncio.AbstractEventLoop | None = None  # the server's, once it runs
         self.draining = False  # shutting down: new requests get 503
         self.inflight: set[asyncio.Queue] = set()  # the event queues of the requests being answered
+        self._grammars: Grammars | None = None  # made with the first constrained request (about a second)
+        self._grammars_made = threading.Lock()
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiled grammars of this model's tokenizer and vocabulary."""
+        with self._grammars_made:
+            if self._grammars is None:
+                tcfg = self.engine.cfg.tcfg
+                self._grammars = Grammars(self.tok, tcfg.vocab_size, tcfg.eos_token_ids)
+            return self._grammars
 
     async def read(self, request: Request, chat: bool) -> Parsed:
         """Read, parse and tokenise a request off the event loop."""
@@ -385,7 +399,14 @@ class Api:
                 raise BadRequest(str(exc), param=param, code="context_length_exceeded") from None
             self._check_context(len(prompt), max_tokens, max_name)
         max_tokens = max_tokens or self.default_max_tokens  # a row stops where its context ends
-        return Parsed(tuple(prompts), max_tokens, sampling, seed, stops, stream, include_usage)
+        try:
+            constraint = structured.constraint(body)
+            if constraint is not None:
+                field = "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+                structured.compile_bounded(self.grammars, constraint, field)
+        except structured.Refused as exc:
+            raise BadRequest(str(exc), param=exc.param) from None
+        return Parsed(tuple(prompts), max_tokens, sampling, seed, stops, stream, include_usage, constraint)
 
     def admit(self, parsed: Parsed) -> tuple[list[Choice], asyncio.Queue]:
         """Queue a row per prompt, all or none (`batcher.QueueFull`), before any response starts. The engine
@@ -404,6 +425,7 @@ class Api:
                 parsed.seed,
                 on_tokens=lambda ids: put("tokens", ids),
                 on_finish=lambda why: put("finish", why),
+                grammar=self.grammars.matcher(parsed.constraint) if parsed.constraint else None,
             )
 
         choices = [Choice(request(i, p)) for i, p in enumerate(parsed.prompts)]

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -55,6 +56,7 @@ class Request:
     cancelled: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
     on_cancel: Callable[[Request], None] = dataclasses.field(default=lambda req: None, repr=False, compare=False)
+    grammar: Any = None  # a fresh `grammar.Matcher` the answer follows (None: free text)
 
     def cancel(self) -> None:
         """Stop generating (a client went away or a stop string was met): a waiting request leaves the queue at
@@ -275,7 +277,9 @@ class Batcher:
                 self._finish(req, "cancelled")
             for a in plan.admit:
                 req = pending.pop(0)
-                kept = self.engine.admit(a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req)
+                kept = self.engine.admit(
+                    a.slot, req.prompt, req.max_tokens, req.sampling, req.seed, owner=req, grammar=req.grammar
+                )
                 with self.wake:
                     self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
                 self.stats.prompt_tokens += len(req.prompt)
