@@ -231,3 +231,37 @@ def test_constrained_sampling_keeps_the_restricted_law(demo, monkeypatch):
     p_rank, p_draft = _rank_test(laws, tokens), _draft_test(laws, tokens, cycles)
     p_control = _rank_test(_constrained_laws(demo, prompt, tokens, SamplingConfig(0.7)), tokens)
     assert p_rank > 1e-3 and p_draft > 1e-3 and p_control < 1e-5, (p_rank, p_draft, p_control)
+
+
+def _generate_cli(args: list[str], capsys) -> tuple[int, str, str]:
+    from infer import generate as cli_generate
+
+    code = cli_generate.main(["--target", str(DEMO / "target"), "--draft", str(DEMO / "eagle3"), *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_generate_follows_a_json_schema_file(tmp_path, capsys):
+    """infer.generate --json-schema FILE --compare: the speculative answer equals the plain one and validates."""
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    out = tmp_path / "out.json"
+    args = ["--prompt", PROMPTS[0], "--json-schema", str(schema), "--max-new-tokens", "96", "--dtype", "fp32"]
+    code, stdout, err = _generate_cli([*args, "--context", "6", "--compare", "--json", str(out)], capsys)
+    assert code == 0, err
+    doc = json.loads(out.read_text())
+    assert doc["compare"]["identical"] and doc["rows"][0]["stop_reason"] == "eos"
+    jsonschema.validate(json.loads(stdout.strip().splitlines()[0]), SCHEMA)
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--regex", "a(b"], "--regex: invalid regex"),
+        (["--choice", "a,b", "--regex", "a"], "only one of --json-schema, --regex, --choice"),
+        (["--json-schema", "/no/such/file.json"], "--json-schema: /no/such/file.json"),
+    ],
+)
+def test_generate_refuses_bad_constraints_in_one_line(args, expected, capsys):
+    code, _, err = _generate_cli(["--prompt", "hi", *args], capsys)
+    assert code != 0 and expected in err and len(err.strip().splitlines()) == 1, err
