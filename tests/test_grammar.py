@@ -19,7 +19,7 @@ from eagle_jax.decoding.sampling import SamplingConfig, processed_probs
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, StaticTree
 from eagle_jax.io import loading
-from eagle_jax.models import target
+from eagle_jax.models import draft, target
 
 DEMO = Path(__file__).resolve().parents[1] / "demo"
 SCHEMA = {
@@ -265,3 +265,32 @@ def test_generate_follows_a_json_schema_file(tmp_path, capsys):
 def test_generate_refuses_bad_constraints_in_one_line(args, expected, capsys):
     code, _, err = _generate_cli(["--prompt", "hi", *args], capsys)
     assert code != 0 and expected in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_heads_first_level_drafts_only_allowed_tokens(demo, monkeypatch):
+    """Every first-level head node is a token the grammar allows after the root, wherever the head's draft
+    vocabulary holds at least top_k of them."""
+    tcfg, tparams, dcfg, dparams, _, grammars = demo
+    tree = DynamicTree(16, 4, 4)
+    trees, masks = [], grammar.Matcher.tree_masks
+
+    def recorded(m, tokens, parents):
+        trees.append((tokens, parents, out := masks(m, tokens, parents)))
+        return out
+
+    monkeypatch.setattr(grammar.Matcher, "tree_masks", recorded)
+    engine = Engine(tparams, dparams, DecodeConfig(tcfg, dcfg, tree), 1, CAPACITY)
+    for prompt, name in ((PROMPTS[0], "schema"), (PROMPTS[1], "regex"), (PROMPTS[2], "json_object")):
+        engine.admit(0, _ids(demo, prompt), 48, grammar=grammars.matcher(CONSTRAINTS[name]))
+        while engine.live:
+            engine.cycle()
+    draft_targets = np.asarray(draft.to_target_ids(dparams, dcfg, jnp.arange(dcfg.draft_vocab_size)))
+    checked = 0
+    for tokens, parents, node_masks in trees:
+        ok = np.asarray(grammar.allowed(jnp.asarray(node_masks[0]), tcfg.vocab_size))
+        if ok[draft_targets].sum() < tree.top_k:
+            continue
+        first = [j for j in range(1, tree.head_nodes) if parents[j] == 0]
+        assert first and all(ok[tokens[j]] for j in first), (tokens, parents)
+        checked += 1
+    assert checked >= 10, checked

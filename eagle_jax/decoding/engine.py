@@ -11,7 +11,8 @@ The chat session, the server's batcher, one-shot and streamed generation drive o
 A row may follow a grammar (`grammar.Matcher`, on the host beside the row): its root is drawn under the grammar's
 mask, and each cycle runs as two programs, `speculative.cycle_draft` then `speculative.cycle_verify`, with the
 masks of every tree node computed on the host in between (a plain step's single mask is known before its cycle:
-one program). Chains the grammar forces are drafted as the context candidates of the row.
+one program). Chains the grammar forces are drafted as the context candidates of the row; the head drafts its
+first level among the tokens the grammar allows after the root.
 
 Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
 rule of the settings with the key of the seed a row is admitted with (what `speculative.generate` does).
@@ -277,7 +278,11 @@ class Engine:
             out = self.compiled(f"cycle {tag} masked", speculative.cycle, *params, self.state, rows, masks, **static)
             return out[0]
         forced = grammars.forced_chains(matchers, cfg.tree.context) if cfg.tree.context else None
-        drafted = self.compiled(f"draft {tag}", speculative.cycle_draft, *params, self.state, rows, forced, **static)
+        first = np.stack([m.mask() if m else grammars.everything((), vocab) for m in matchers])  # [R, W]
+        first = first if cfg.tree.needs_head else None
+        drafted = self.compiled(
+            f"draft {tag}", speculative.cycle_draft, *params, self.state, rows, forced, first, **static
+        )
         state, tr, wide = drafted
         tokens, parents = distributed.host_value((tr.tokens, tr.parents))  # [R, N]
         masks = np.stack(

@@ -217,6 +217,21 @@ def allowed(bits: jax.Array, vocab: int) -> jax.Array:
     return unpacked.reshape(*bits.shape[:-1], -1)[..., :vocab].astype(bool)
 
 
+def draft_top_k(dparams: dict, dcfg, out: jax.Array, head: jax.Array | None, k: int, bits: jax.Array | None):
+    """`draft.top_k` of outputs out [B, H] among the tokens bits [B, W] allow, mapped into the head's draft
+    vocabulary (d -> d + d2t[d]); a row whose draft vocabulary holds no allowed token keeps every token."""
+    from eagle_jax.models import draft
+
+    if bits is None:
+        return draft.top_k(dparams, dcfg, out, head, k)
+    lg = draft.logits(dparams, dcfg, out, head)  # [B, Vd]
+    ok = allowed(bits, jnp.iinfo(jnp.int32).max)  # [B, W * 32]
+    ok = ok[:, jnp.minimum(draft.to_target_ids(dparams, dcfg, jnp.arange(lg.shape[-1])), ok.shape[-1] - 1)]
+    lg = jnp.where(ok | ~jnp.any(ok, axis=-1, keepdims=True), lg, -jnp.inf)
+    values, ids = jax.lax.top_k(jax.nn.log_softmax(lg, axis=-1), k)
+    return draft.to_target_ids(dparams, dcfg, ids), values
+
+
 def everything(shape: Sequence[int], vocab: int) -> np.ndarray:
     """[*shape, W] masks that allow every token (rows with no constraint)."""
     return np.full((*shape, (vocab + 31) // 32), -1, np.int32)

@@ -330,11 +330,18 @@ def one_cycle(
 
 
 def draft_tree(
-    tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None, forced: tuple | None = None
+    tparams,
+    dparams,
+    s: SpecState,
+    cfg: DecodeConfig,
+    span: int | None,
+    forced: tuple | None = None,
+    first: jax.Array | None = None,
 ) -> tuple[Tree, KVCache | None, jax.Array | None]:
     """The cycle's tree, the head's cache after drafting it, and whether a running row has context candidates (None
     without context candidates). `forced` (tokens [B, context], valid [B, context]): chains a grammar forces,
-    drafted instead of the context candidates of the rows that have one."""
+    drafted instead of the context candidates of the rows that have one. `first` [B, W]: the tokens a grammar
+    allows after the root, the only ones the head drafts at the first level."""
     tcfg, dcfg, tree = cfg.tcfg, cfg.dcfg, cfg.tree
     embed = tparams["embed"]
     head = target.output_head(tparams, tcfg)
@@ -348,7 +355,7 @@ def draft_tree(
                 candidates = (jnp.where(use, forced[0], candidates[0]), jnp.where(use, forced[1], candidates[1]))
     if tree.needs_head:
         with jax.named_scope("draft_levels"):
-            ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
+            ids, logp = grammar.draft_top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k, first)
         expand = _expand_fn(dparams, dcfg, embed, head, tree.top_k, span)
         start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
         tr, dcache = trees.build(tree, start, expand, s.draft_cache, candidates)
@@ -506,14 +513,16 @@ def cycle_draft(
     state: SpecState,
     rows: jax.Array | None = None,
     forced: tuple | None = None,
+    first: jax.Array | None = None,
     *,
     cfg: DecodeConfig,
     span: int | None = None,
 ) -> tuple[SpecState, Tree, jax.Array | None]:
     """A cycle's first half (rows whose tree is masked by a grammar on the host): the state holding the head's
-    cache as drafting left it, the tree and `wide` (`draft_tree`); `cycle_verify` finishes the cycle."""
+    cache as drafting left it, the tree and `wide` (`draft_tree`, its `forced` and `first`); `cycle_verify` finishes
+    the cycle."""
     part = state if rows is None else take_rows(state, rows)
-    tr, dcache, wide = draft_tree(tparams, dparams, part, cfg, span, forced)
+    tr, dcache, wide = draft_tree(tparams, dparams, part, cfg, span, forced, first)
     part = dataclasses.replace(part, draft_cache=dcache)
     return (part if rows is None else put_rows(state, part, rows)), tr, wide
 
