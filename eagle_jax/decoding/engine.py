@@ -406,7 +406,7 @@ class Engine:
                 row.grammar.advance([*new[1:], int(roots[slot])])  # the last root was consumed before
             steps.append(Step(slot, row.owner, new, finish))
             if finish:
-                row.owner, row.running = None, False
+                row.owner, row.running, row.grammar = None, False, None
         return steps
 
     def cancel(self, slots: Sequence[int]) -> list[Any]:
@@ -418,7 +418,7 @@ class Engine:
             self.state = self.compiled("retire", retire, self.state, np.isin(np.arange(self.slots), slots))
         owners = [self.rows[s].owner for s in slots]
         for s in slots:
-            self.rows[s].owner, self.rows[s].running = None, False
+            self.rows[s].owner, self.rows[s].running, self.rows[s].grammar = None, False, None
         return owners
 
     def _outputs(self) -> tuple[np.ndarray, ...]:
