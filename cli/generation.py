@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -15,9 +16,10 @@ import jax
 
 from cli import command, envelope, presets
 from cli.models import Models
+from eagle_jax.decoding import constrained, programs, schedule
 from eagle_jax.decoding import engine as engines
-from eagle_jax.decoding import programs, schedule
 from eagle_jax.decoding.budget import MARGIN
+from eagle_jax.decoding.grammar import Constraint, Grammars
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig, SpecResult
 from eagle_jax.decoding.tree import (
@@ -46,6 +48,7 @@ class Settings:
     max_len: int | None
     stream: bool
     warmup: bool
+    constraint: Constraint | None = None  # the grammar every answer follows (--json-schema, --regex, --choice)
 
 
 def tree_config(a: argparse.Namespace, preset: presets.Preset | None) -> TreeConfig | None:
@@ -91,9 +94,34 @@ def settings_from_args(a: argparse.Namespace, preset: presets.Preset | None, m: 
         raise EagleError(f"--max-len {a.max_len} must be >= 2")
     tree = PLAIN if a.no_spec else tree_config(a, preset)
     decode = DecodeConfig(m.tcfg, m.dcfg, tree or PLAIN, sampling)
-    s = Settings(decode, tree is None, max_new, a.seed, a.max_len, not a.no_stream, a.warmup)
+    s = Settings(decode, tree is None, max_new, a.seed, a.max_len, not a.no_stream, a.warmup, constraint_of(a))
     _check_fit(s, m)
     return s
+
+
+def constraint_of(a: argparse.Namespace) -> Constraint | None:
+    """The grammar of --json-schema FILE, --regex R or --choice A,B,... (at most one of them)."""
+    given = [f for f in ("json_schema", "regex", "choice") if getattr(a, f, None) is not None]
+    if len(given) > 1:
+        raise EagleError("give only one of --json-schema, --regex, --choice")
+    if not given:
+        return None
+    with command.flag(constraint_flag(a)):
+        if a.regex is not None:
+            return Constraint.regex(a.regex)
+        if a.choice is not None:
+            return Constraint.choice(a.choice.split(","))
+        try:
+            return Constraint.json_schema(json.loads(Path(a.json_schema).read_text(encoding="utf-8")))
+        except OSError as exc:
+            raise EagleError(f"{a.json_schema}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise EagleError(f"{a.json_schema} is not JSON ({exc})") from None
+
+
+def constraint_flag(a: argparse.Namespace) -> str:
+    """The flag that gave the constraint."""
+    return next(f"--{f.replace('_', '-')}" for f in ("json_schema", "regex", "choice") if getattr(a, f) is not None)
 
 
 def _check_fit(s: Settings, m: Models) -> None:
@@ -186,6 +214,8 @@ def run_generation(
             m.tcfg.rope.max_position_embeddings,
         )
     streamed = s.stream and m.mesh is None
+    if s.constraint is not None:
+        return _run_constrained(m, prompts, s, on_new, p)
     t0 = time.perf_counter()
     with engines.failing():  # a device or compiler failure: one line
         result = programs.generate(
@@ -201,6 +231,27 @@ def run_generation(
         )
     if on_new is not None and not streamed:
         on_new(result.tokens)
+    return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
+
+
+def _run_constrained(m: Models, prompts: list[list[int]], s: Settings, on_new, p: schedule.Prompts) -> Outcome:
+    """`run_generation` under `s.constraint` (on the engine: the masks come from the host every cycle)."""
+    grammars = Grammars(loading.load_tokenizer(m.target_dir), m.tcfg.vocab_size, m.tcfg.eos_token_ids)
+    with command.flag("--" + s.constraint.kind.replace("_", "-")):  # --json-schema, --regex or --choice
+        grammars.check(s.constraint)
+    t0 = time.perf_counter()
+    with engines.failing():
+        result = constrained.generate(
+            m.tparams,
+            m.dparams,
+            prompts,
+            s.max_new_tokens,
+            s.decode,
+            [grammars.matcher(s.constraint) for _ in prompts],
+            seed=s.seed,
+            capacity=p.capacity,
+            on_new=on_new,
+        )
     return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
 
 

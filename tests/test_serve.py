@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import jax.numpy as jnp
+import jsonschema
 import numpy as np
 import pytest
 
@@ -24,6 +25,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from test_train import cli_env  # noqa: E402
 from tiny import plain_generate, target_logprobs  # noqa: E402
 
+from eagle_jax.decoding import grammar  # noqa: E402
+from eagle_jax.decoding.engine import Engine  # noqa: E402
 from eagle_jax.decoding.sampling import SamplingConfig  # noqa: E402
 from eagle_jax.decoding.speculative import DecodeConfig  # noqa: E402
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft  # noqa: E402
@@ -163,6 +166,65 @@ def test_a_conversation_starts_from_its_cached_prefix_and_says_so(served):
     assert 0 < int(figures["eagle_jax_prefix_cache_tokens"]) <= int(figures["eagle_jax_prefix_cache_capacity_tokens"])
 
 
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+STRUCTURED = [  # (request fields, the constraint they mean)
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}},
+        grammar.Constraint.json_schema(PERSON),
+    ),
+    (
+        {"extra_body": {"structured_outputs": {"choice": ["tea", "coffee", "water"]}}},
+        grammar.Constraint.choice(["tea", "coffee", "water"]),
+    ),
+    (
+        {"extra_body": {"structured_outputs": {"regex": "[a-z]+( [a-z]+){0,4}\\."}}},
+        grammar.Constraint.regex("[a-z]+( [a-z]+){0,4}\\."),
+    ),
+    ({"response_format": {"type": "json_object"}}, grammar.Constraint.json_object()),
+    ({}, None),
+]
+
+
+def constrained_answer(engine, tok, grammars, question: str, max_tokens: int, constraint) -> tuple[str, str]:
+    """(text, finish) of plain greedy decoding of a question alone under a constraint (a one-row engine)."""
+    engine.admit(0, loading.encode_chat(tok, [{"role": "user", "content": question}]), max_tokens,
+                 grammar=grammars.matcher(constraint) if constraint else None)  # fmt: skip
+    tokens, finish = [], None
+    while engine.live:
+        for step in engine.cycle():
+            tokens, finish = tokens + step.tokens, step.finish
+    return tok.decode(tokens, skip_special_tokens=True), finish
+
+
+def test_rows_with_different_constraints_answer_as_each_alone(served):
+    """Ten requests at once, each with a JSON schema, choices, a regex, json_object or nothing, streamed and not:
+    every answer equals plain greedy decoding of it alone under its constraint; the schema's answers validate."""
+    url, engine, models, app_api = served
+    jobs = [(QUESTIONS[i % 3], *STRUCTURED[i % len(STRUCTURED)], i % 2 == 0) for i in range(10)]
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        answers = list(pool.map(lambda j: ask(url, j[0], 40, stream=j[3], temperature=0, **j[1]), jobs))
+    tcfg, tparams, tok = models
+    plain = Engine(tparams, None, DecodeConfig(tcfg), 1, 256)
+    for (question, _, constraint, _), got in zip(jobs, answers):
+        assert got == constrained_answer(plain, tok, app_api.grammars, question, 40, constraint)
+        if constraint is not None and constraint.kind == "json_schema":
+            assert got[1] == "stop"
+            jsonschema.validate(json.loads(got[0]), PERSON)
+    assert engine.live == 0
+
+
+def test_a_constrained_completion_that_cannot_finish_ends_by_length(served):
+    url, _, _, _ = served
+    body = {"prompt": "Name:", "max_tokens": 3, "temperature": 0, "response_format": {"type": "json_object"}}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+    assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 3
+
+
 def test_seeded_samples_reproduce_whatever_runs_beside_them(served):
     """A sampled request with a seed gives the same answer alone and amid other rows; another seed differs."""
     url, _, _, _ = served
@@ -240,7 +302,23 @@ BAD_REQUESTS = {  # body, status, the field the error names (None: the body)
     "top_logprobs beyond 20": ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     "top_logprobs without logprobs": ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
     "tools": ({"messages": HI, "tools": [{"type": "function"}], "tool_choice": "required"}, 400, "tools"),
-    "json mode": ({"messages": HI, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    "schema with a wrong type": (
+        {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "strin"}}}},
+        400,
+        "response_format",
+    ),
+    "unsupported schema keyword": (
+        {"messages": HI, "structured_outputs": {"json": {"type": "array", "uniqueItems": True}}},
+        400,
+        "structured_outputs",
+    ),
+    "bad regex": ({"messages": HI, "structured_outputs": {"regex": "a(b"}}, 400, "structured_outputs"),
+    "unknown response_format": ({"messages": HI, "response_format": {"type": "yaml"}}, 400, "response_format"),
+    "two constraints": (
+        {"messages": HI, "response_format": {"type": "json_object"}, "structured_outputs": {"choice": ["a"]}},
+        400,
+        "structured_outputs",
+    ),
 }
 
 
@@ -291,11 +369,11 @@ def test_a_prompt_and_max_tokens_beyond_the_context_are_refused_not_clamped(serv
     assert status == 200 and body["usage"]["completion_tokens"] <= context - prompt
 
 
-@pytest.mark.parametrize("field", ["tools", "tool_choice", "response_format", "presence_penalty", "logit_bias"])
+@pytest.mark.parametrize("field", ["tools", "tool_choice", "presence_penalty", "logit_bias"])
 def test_fields_the_server_does_not_implement_are_named(served, field):
     url, _, _, _ = served
     value = {"tools": [{"type": "function"}], "tool_choice": "required"}
-    value |= {"response_format": {"type": "json_object"}, "presence_penalty": 0.5, "logit_bias": {"1": 5}}
+    value |= {"presence_penalty": 0.5, "logit_bias": {"1": 5}}
     body = {"messages": [{"role": "user", "content": "hi"}], field: value[field]}
     r = httpx.post(f"{url}/v1/chat/completions", json=body)
     error = r.json()["error"]

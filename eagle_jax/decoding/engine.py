@@ -10,6 +10,12 @@ share with the prompt, or the longest prefix the prefix cache holds, `decoding.p
 fed, and all its tokens when it ends (copied out before the engine's next operation).
 The chat session, the server's batcher, one-shot and streamed generation drive one; none runs a program itself.
 
+A row may follow a grammar (`grammar.Matcher`, on the host beside the row): its root is drawn under the grammar's
+mask, and each cycle runs as two programs, `speculative.cycle_draft` then `speculative.cycle_verify`, with the
+masks of every tree node computed on the host in between (a plain step's single mask is known before its cycle:
+one program). Chains the grammar forces are drafted as the context candidates of the row; the head drafts its
+first level among the tokens the grammar allows after the root.
+
 Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
 rule of the settings with the key of the seed a row is admitted with (what `speculative.generate` does).
 
@@ -32,6 +38,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from eagle_jax.decoding import grammar as grammars
 from eagle_jax.decoding import logprobs as lps
 from eagle_jax.decoding import prefix, programs, schedule, speculative
 from eagle_jax.decoding.emit import PAD_ID
@@ -112,8 +119,9 @@ def buckets(slots: int, mesh: Mesh | None) -> tuple[int, ...]:
 
 @dataclasses.dataclass
 class Row:
-    """The host's side of one device row: whom it serves while it runs, and what its caches hold. Later per-row
-    state (a grammar, a stop rule) belongs here."""
+    """The host's side of one device row: whom it serves while it runs, what its caches hold, and the grammar its
+    answer follows (None: free text), after the tokens committed and the root. Later per-row state (a stop rule)
+    belongs here."""
 
     owner: Any = None  # the caller's handle of the answer being generated (None: the row is free)
     running: bool = False
@@ -121,6 +129,7 @@ class Row:
     shown: int = 0  # tokens of the current answer already handed out
     logprobs: bool = False  # the current answer records its tokens' logprobs
     plain: bool = False  # decoded without speculation: while it runs, every live row's cycles use `tree.PLAIN`
+    grammar: grammars.Matcher | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,6 +286,37 @@ class Engine:
         rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
         return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
 
+    def _constrained(self, span: int, live: Sequence[int], plain: bool = False) -> SpecState:
+        """One cycle of the live rows, some of which follow grammars: a plain step under the roots' masks, or the
+        tree drafted (forced chains as its context candidates), masked node by node on the host, and verified
+        (`plain`: with `tree.PLAIN`)."""
+        n = self.bucket(len(live))
+        cfg = self.cfg if plain else self.settings[n]
+        static, params = {"cfg": cfg, "span": span}, (self.tparams, self.dparams)
+        idle = [s for s in range(self.slots) if s not in live]
+        rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
+        matchers = [self.rows[s].grammar for s in (range(self.slots) if rows is None else rows)]
+        vocab, tag = self.cfg.tcfg.vocab_size, f"{cfg.tree} rows {n} span {span}"
+        if not cfg.tree.drafts:
+            masks = np.stack([m.mask() if m else grammars.everything((), vocab) for m in matchers])[:, None]
+            out = self.compiled(f"cycle {tag} masked", speculative.cycle, *params, self.state, rows, masks, **static)
+            return out[0]
+        forced = grammars.forced_chains(matchers, cfg.tree.context) if cfg.tree.context else None
+        first = np.stack([m.mask() if m else grammars.everything((), vocab) for m in matchers])  # [R, W]
+        first = first if cfg.tree.needs_head else None
+        drafted = self.compiled(
+            f"draft {tag}", speculative.cycle_draft, *params, self.state, rows, forced, first, **static
+        )
+        state, tr, wide = drafted
+        tokens, parents = distributed.host_value((tr.tokens, tr.parents))  # [R, N]
+        masks = np.stack(
+            [
+                m.tree_masks(t, p) if m else grammars.everything(t.shape, vocab)
+                for m, t, p in zip(matchers, tokens, parents, strict=True)
+            ]
+        )
+        return self.compiled(f"verify {tag}", speculative.cycle_verify, *params, state, tr, wide, masks, rows, **static)
+
     def _feed(
         self, slot: int, piece: Piece, limit: int, sampling: SamplingConfig | None, seed: int, logprobs: bool = False
     ) -> tuple:
@@ -354,12 +394,13 @@ class Engine:
         owner: Any = None,
         logprobs: bool = False,
         plain: bool = False,
+        grammar: grammars.Matcher | None = None,
     ) -> int:
         """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
-        as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
-        with the prompt, or take the longest prefix the prefix cache holds, and the rest is fed in chunks. With
-        `logprobs` (settings that record them), its steps carry its tokens' logprobs. `plain`: decoded without
-        speculation (`Row.plain`). Returns the prompt tokens kept."""
+        as `sampling` says with `seed` (per-row engines; else the static rule), following `grammar` (a fresh
+        matcher) when given: its caches keep what they share with the prompt, or take the longest prefix the prefix
+        cache holds, and the rest is fed in chunks. With `logprobs` (settings that record them), its steps carry its
+        tokens' logprobs. `plain`: decoded without speculation (`Row.plain`). Returns the prompt tokens kept."""
         if logprobs and not self.cfg.logprobs:
             raise EagleError("this engine records no logprobs; build it with settings whose `logprobs` is > 0")
         prompt = list(prompt)
@@ -374,10 +415,14 @@ class Engine:
             if hit > keep:
                 self.state = self.compiled("copy in", prefix.copy_in, *self._copy_in_args(slot, prompt, blocks))
                 keep = hit
+            masked = () if grammar is None else (grammar.mask()[None],)  # [1, W] the root's
             for piece in pieces(prompt, keep, self.chunks):
-                args = self._feed(slot, piece, limit, sampling, seed, logprobs)
-                self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
-        self.rows[slot] = Row(owner, True, prompt, 0, logprobs=logprobs, plain=plain)
+                args = (*self._feed(slot, piece, limit, sampling, seed, logprobs), *masked)
+                name = f"extend {piece.tokens.shape[0]}{' masked' if masked else ''}"
+                self.state = self.compiled(name, speculative.extend, *args, cfg=self.cfg)
+            if grammar is not None:
+                grammar.advance([int(distributed.host_value(self.state.root)[slot])])
+        self.rows[slot] = Row(owner, True, prompt, 0, logprobs=logprobs, plain=plain, grammar=grammar)
         self.unoffered.append((slot, prompt))  # rows admitted next share its prompt already
         return keep
 
@@ -393,11 +438,15 @@ class Engine:
             self._offer()
             needed = speculative.host_slots_needed(self.state, tree)
             span = schedule.attention_span(int(needed[live].max()), self.capacity)
-            name, fn, args, static = self._cycle_call(span, live, plain=tree == PLAIN)
-            out = self.compiled(name, fn, *args, **static)
-            self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
+            if any(self.rows[s].grammar is not None for s in live):
+                self.state = self._constrained(span, live, plain=tree == PLAIN)
+            else:
+                name, fn, args, static = self._cycle_call(span, live, plain=tree == PLAIN)
+                out = self.compiled(name, fn, *args, **static)
+                self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
             counts, done, eos, tokens, sources = self._outputs()
             recorded = {s: self._logprobs(s) for s in live if self.rows[s].logprobs}
+            roots = distributed.host_value(self.state.root) if any(self.rows[s].grammar for s in live) else None
         steps = []
         for slot in live:
             row = self.rows[slot]
@@ -406,9 +455,11 @@ class Engine:
             where = [speculative.SOURCES[i] for i in sources[slot, row.shown : counts[slot]]]
             row.shown, row.cached = int(counts[slot]), row.cached + new
             finish = ("stop" if eos[slot] else "length") if done[slot] else None
+            if row.grammar is not None and not finish:
+                row.grammar.advance([*new[1:], int(roots[slot])])  # the last root was consumed before
             steps.append(Step(slot, row.owner, new, finish, logprobs=logprobs, sources=where, tree=tree))
             if finish:
-                row.owner, row.running = None, False
+                row.owner, row.running, row.grammar = None, False, None
                 self.unoffered.append((slot, row.cached))
         return steps
 
@@ -421,7 +472,7 @@ class Engine:
             self.state = self.compiled("retire", retire, self.state, np.isin(np.arange(self.slots), slots))
         owners = [self.rows[s].owner for s in slots]
         for s in slots:
-            self.rows[s].owner, self.rows[s].running = None, False
+            self.rows[s].owner, self.rows[s].running, self.rows[s].grammar = None, False, None
         self.unoffered += [(s, self.rows[s].cached) for s in slots]
         return owners
 

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.decoding import acceptance, context, schedule
+from eagle_jax.decoding import acceptance, context, grammar, schedule
 from eagle_jax.decoding import logprobs as lps
 from eagle_jax.decoding import rows as rows_sampling
 from eagle_jax.decoding import tree as trees
@@ -205,6 +205,7 @@ def extend(
     controls: RowControls | None = None,
     rows: jax.Array | None = None,
     logprobs: jax.Array | None = None,
+    masks: jax.Array | None = None,
     *,
     cfg: DecodeConfig,
 ) -> SpecState:
@@ -219,16 +220,17 @@ def extend(
     starting rows take their settings and seeds from it (`decoding.rows`: keys follow sequence positions). The tree of
     `cfg` plays no part. With `rows` [R] (distinct int32) only those rows are computed, and the per-row
     arguments are theirs ([R], [R, C]); the others are left as they are. With a state that records logprobs, the
-    starting rows record theirs when `logprobs` [B] bool says so (None: every one).
+    starting rows record theirs when `logprobs` [B] bool says so (None: every one). `masks` [B, W] (`grammar`): the
+    tokens each starting row's root may be.
     """
-    args = (start, tokens, next_tokens, n, final, limits, key, controls, logprobs)
+    args = (start, tokens, next_tokens, n, final, limits, key, controls, logprobs, masks)
     if rows is None:
         return _extend(tparams, dparams, state, *args, cfg)
     return put_rows(state, _extend(tparams, dparams, take_rows(state, rows), *args, cfg), rows)
 
 
 def _extend(
-    tparams, dparams, state: SpecState, start, tokens, next_tokens, n, final, limits, key, controls, wanted, cfg
+    tparams, dparams, state: SpecState, start, tokens, next_tokens, n, final, limits, key, controls, wanted, masks, cfg
 ):
     """`extend` of every row."""
     tcfg, dcfg = cfg.tcfg, cfg.dcfg
@@ -251,7 +253,8 @@ def _extend(
     if controls is not None:
         old = state.controls if state.controls is not None else controls
         controls = jax.tree.map(lambda new, old: jnp.where(starts, new, old), controls, old)
-    logits = target.lm_logits(tparams, tcfg, fwd.hidden[rows, last])  # [B, V]
+    raw = target.lm_logits(tparams, tcfg, fwd.hidden[rows, last])  # [B, V]
+    logits = grammar.restrict(raw, masks)
     if controls is None:
         root = sample(jax.random.fold_in(key, 0), logits, cfg.sampling)
     else:
@@ -275,7 +278,7 @@ def _extend(
     if recorded is not None:  # the root's, at output position 0
         recorded = lps.start(recorded, starts, wanted)
         at, first = jnp.zeros_like(start), jnp.zeros((b, 1), jnp.int32)
-        recorded = lps.record(recorded, logits[:, None], first, root[:, None], at, starts.astype(jnp.int32))
+        recorded = lps.record(recorded, raw[:, None], first, root[:, None], at, starts.astype(jnp.int32))
     return SpecState(
         target_cache=kv_cache.advance(fwd.cache, n),
         draft_cache=dcache,
@@ -333,13 +336,33 @@ def slots_needed(s: SpecState, tree: TreeConfig) -> jax.Array:
     return functools.reduce(jnp.maximum, _lengths(s)) + tree.cache_overhead
 
 
-def one_cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None) -> tuple[SpecState, Tree]:
+def one_cycle(
+    tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | None, masks: jax.Array | None = None
+) -> tuple[SpecState, Tree]:
     """One draft -> verify -> accept cycle attending over `span` cache slots (which must hold every
-    running row's `slots_needed`). Returns the new state and this cycle's tree.
+    running row's `slots_needed`). Returns the new state and this cycle's tree. `masks` [B, N, W]: the tokens the
+    target may choose after each node (`grammar`; a plain step's root only, as the tree is drafted here).
 
     When no running row has context candidates, only the head's part of the tree is verified (the root alone
     without a head: plain decoding's step): it accepts what the whole tree would, at the cost of a smaller
     forward."""
+    tr, dcache, wide = draft_tree(tparams, dparams, s, cfg, span)
+    return verify_tree(tparams, dparams, s, tr, dcache, wide, cfg, span, masks), tr
+
+
+def draft_tree(
+    tparams,
+    dparams,
+    s: SpecState,
+    cfg: DecodeConfig,
+    span: int | None,
+    forced: tuple | None = None,
+    first: jax.Array | None = None,
+) -> tuple[Tree, KVCache | None, jax.Array | None]:
+    """The cycle's tree, the head's cache after drafting it, and whether a running row has context candidates (None
+    without context candidates). `forced` (tokens [B, context], valid [B, context]): chains a grammar forces,
+    drafted instead of the context candidates of the rows that have one. `first` [B, W]: the tokens a grammar
+    allows after the root, the only ones the head drafts at the first level."""
     tcfg, dcfg, tree = cfg.tcfg, cfg.dcfg, cfg.tree
     embed = tparams["embed"]
     head = target.output_head(tparams, tcfg)
@@ -348,43 +371,63 @@ def one_cycle(tparams, dparams, s: SpecState, cfg: DecodeConfig, span: int | Non
         with jax.named_scope("context"):  # prompt lookup in the row's own history
             history = s.history if span is None else s.history[:, :span]
             candidates = context.propose(history, s.target_cache.lengths, tree.context, tree.min_match)
+            if forced is not None:
+                use = forced[1][:, :1]  # [B, 1]
+                candidates = (jnp.where(use, forced[0], candidates[0]), jnp.where(use, forced[1], candidates[1]))
     if tree.needs_head:
         with jax.named_scope("draft_levels"):
-            ids, logp = draft.top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k)
+            ids, logp = grammar.draft_top_k(dparams, dcfg, s.draft_hidden, head, tree.top_k, first)
         expand = _expand_fn(dparams, dcfg, embed, head, tree.top_k, span)
         start = trees.TreeStart(s.root, s.draft_hidden, ids, logp, s.draft_cache.lengths)
         tr, dcache = trees.build(tree, start, expand, s.draft_cache, candidates)
     else:
         start = trees.TreeStart(s.root, s.draft_hidden, None, None, None)
         tr, dcache = trees.build(tree, start, None, s.draft_cache, candidates)
+    return tr, dcache, None if candidates is None else jnp.any(candidates[1][:, 0] & ~s.done)
+
+
+def verify_tree(
+    tparams,
+    dparams,
+    s: SpecState,
+    tr: Tree,
+    dcache: KVCache | None,
+    wide: jax.Array | None,
+    cfg: DecodeConfig,
+    span: int | None,
+    masks: jax.Array | None = None,
+) -> SpecState:
+    """The target's forward over the tree `tr` (`draft_tree`: its cache and `wide`), its choices under masks
+    [B, N, W] (every token where None), acceptance and the commit: the state after the cycle."""
+    tree, embed = cfg.tree, tparams["embed"]
     forward = functools.partial(_forward, tparams, s, cfg=cfg, span=span)
     if not tree.context:
-        fwd, choice = forward(tr, write=True)
+        fwd, choice = forward(tr, write=True, masks=masks)
     else:  # the cache is only read under the cond (written there, XLA would copy it whole): the path, after
         n, width = tree.head_nodes, tr.tokens.shape[1]  # without candidates, only the head's part (or the root)
         keep_logits = s.logprobs is not None  # logprobs read them after acceptance
 
         def narrow():
             part = Tree(tr.tokens[:, :n], tr.parents[:, :n], tr.depths[:, :n], tr.mask[:, :n, :n])
-            fwd, choice = forward(part, write=False)
+            fwd, choice = forward(part, write=False, masks=None if masks is None else masks[:, :n])
             pad = lambda a, axis: jnp.pad(a, [(0, width - n if d == axis else 0) for d in range(a.ndim)])  # noqa: E731
             logits, kv = pad(fwd.logits, 1) if keep_logits else None, tuple(pad(a, 3) for a in fwd.new_kv)
             return logits, pad(fwd.hidden, 1), pad(fwd.features, 1), kv, pad(choice, 1)
 
         def full():
-            fwd, choice = forward(tr, write=False)
+            fwd, choice = forward(tr, write=False, masks=masks)
             return fwd.logits if keep_logits else None, fwd.hidden, fwd.features, fwd.new_kv, choice
 
-        logits, hidden, features, new_kv, choice = jax.lax.cond(jnp.any(candidates[1][:, 0] & ~s.done), full, narrow)
+        logits, hidden, features, new_kv, choice = jax.lax.cond(wide, full, narrow)
         fwd = target.TargetOutput(logits, hidden, features, s.target_cache, new_kv)
-    return _verify(dparams, s, dcache, tr, fwd, choice, cfg=cfg, span=span, embed=embed), tr
+    return _verify(dparams, s, dcache, tr, fwd, choice, cfg=cfg, span=span, embed=embed)
 
 
 def _forward(
-    tparams, s: SpecState, tr: Tree, *, cfg: DecodeConfig, span: int | None, write: bool
+    tparams, s: SpecState, tr: Tree, *, cfg: DecodeConfig, span: int | None, write: bool, masks: jax.Array | None
 ) -> tuple[target.TargetOutput, jax.Array]:
     """One target forward over the tree (writing its entries into the cache, or not: `target.forward`) and the
-    target's choices [B, N]: the token it takes after each node."""
+    target's choices [B, N]: the token it takes after each node, among those masks [B, N, W] allow."""
     tcfg = cfg.tcfg
     with jax.named_scope("verify"):
         positions = s.target_cache.lengths[:, None] + tr.depths
@@ -400,7 +443,7 @@ def _forward(
             write=write,
         )
     with jax.named_scope("sample"):
-        return fwd, _draw(s, fwd.logits, cfg.sampling, s.cycle + 1, positions + 1)
+        return fwd, _draw(s, grammar.restrict(fwd.logits, masks), cfg.sampling, s.cycle + 1, positions + 1)
 
 
 def _verify(
@@ -481,14 +524,61 @@ def _draw(s: SpecState, logits: jax.Array, sampling: SamplingConfig, step, posit
 
 @functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
 def cycle(
-    tparams, dparams, state: SpecState, rows: jax.Array | None = None, *, cfg: DecodeConfig, span: int | None = None
+    tparams,
+    dparams,
+    state: SpecState,
+    rows: jax.Array | None = None,
+    masks: jax.Array | None = None,
+    *,
+    cfg: DecodeConfig,
+    span: int | None = None,
 ) -> tuple[SpecState, Tree]:
     """One jitted cycle (the streaming path) of every row, or of `rows` [R] (distinct int32) only: a server's live
-    rows cost what R rows cost, and the others are left as they are."""
+    rows cost what R rows cost, and the others are left as they are. `masks` [R, N, W]: `one_cycle`."""
     if rows is None:
-        return one_cycle(tparams, dparams, state, cfg, span)
-    part, tr = one_cycle(tparams, dparams, take_rows(state, rows), cfg, span)
+        return one_cycle(tparams, dparams, state, cfg, span, masks)
+    part, tr = one_cycle(tparams, dparams, take_rows(state, rows), cfg, span, masks)
     return put_rows(state, part, rows), tr
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
+def cycle_draft(
+    tparams,
+    dparams,
+    state: SpecState,
+    rows: jax.Array | None = None,
+    forced: tuple | None = None,
+    first: jax.Array | None = None,
+    *,
+    cfg: DecodeConfig,
+    span: int | None = None,
+) -> tuple[SpecState, Tree, jax.Array | None]:
+    """A cycle's first half (rows whose tree is masked by a grammar on the host): the state holding the head's
+    cache as drafting left it, the tree and `wide` (`draft_tree`, its `forced` and `first`); `cycle_verify` finishes
+    the cycle."""
+    part = state if rows is None else take_rows(state, rows)
+    tr, dcache, wide = draft_tree(tparams, dparams, part, cfg, span, forced, first)
+    part = dataclasses.replace(part, draft_cache=dcache)
+    return (part if rows is None else put_rows(state, part, rows)), tr, wide
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "span"), donate_argnames=("state",))
+def cycle_verify(
+    tparams,
+    dparams,
+    state: SpecState,
+    tr: Tree,
+    wide: jax.Array | None,
+    masks: jax.Array,
+    rows: jax.Array | None = None,
+    *,
+    cfg: DecodeConfig,
+    span: int | None = None,
+) -> SpecState:
+    """A cycle's second half after `cycle_draft`: the tree verified under masks [R, N, W] (`verify_tree`)."""
+    part = state if rows is None else take_rows(state, rows)
+    part = verify_tree(tparams, dparams, part, tr, part.draft_cache, wide, cfg, span, masks)
+    return part if rows is None else put_rows(state, part, rows)
 
 
 def take_rows(s: SpecState, rows: jax.Array) -> SpecState:

@@ -32,6 +32,7 @@ import math
 import reprlib
 import secrets
 import sys
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -45,11 +46,13 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from eagle_jax.decoding import prefix
+from eagle_jax.decoding.grammar import Constraint, Grammars
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.io.loading import encode_chat
 from eagle_jax.serving import batcher as batching
 from eagle_jax.serving import logprobs as logprob_shapes
+from eagle_jax.serving import structured
 from eagle_jax.serving.trace import Trace
 
 RETRY_AFTER_S = 1
@@ -61,7 +64,6 @@ UNSUPPORTED: dict[str, Callable[[object], bool]] = {
     "tool_choice": lambda v: v in (None, "none", "auto"),
     "functions": lambda v: not v,
     "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
     "logit_bias": lambda v: not v,
     "presence_penalty": lambda v: v in (None, 0),
     "frequency_penalty": lambda v: v in (None, 0),
@@ -129,6 +131,7 @@ class Parsed:
     logprobs: int | None = None  # alternatives per token when the tokens' logprobs were asked for
     trace: bool = False  # chunks carry the `eagle` field (`serving.trace`)
     speculate: bool = True  # False: decoded plainly
+    constraint: Constraint | None = None  # the grammar each answer follows (`structured`)
 
 
 @dataclass
@@ -265,6 +268,17 @@ class Api:
         self.draining = False  # shutting down: new requests get 503
         self.inflight: set[asyncio.Queue] = set()  # the event queues of the requests being answered
         self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda i: tokenizer.decode([i]))  # logprobs' tokens
+        self._grammars: Grammars | None = None  # made with the first constrained request (about a second)
+        self._grammars_made = threading.Lock()
+
+    @property
+    def grammars(self) -> Grammars:
+        """The compiled grammars of this model's tokenizer and vocabulary."""
+        with self._grammars_made:
+            if self._grammars is None:
+                tcfg = self.engine.cfg.tcfg
+                self._grammars = Grammars(self.tok, tcfg.vocab_size, tcfg.eos_token_ids)
+            return self._grammars
 
     async def read(self, request: Request, chat: bool) -> Parsed:
         """Read, parse and tokenise a request off the event loop."""
@@ -409,7 +423,16 @@ class Api:
             self._check_context(len(prompt), max_tokens, max_name)
         max_tokens = max_tokens or self.default_max_tokens  # a row stops where its context ends
         logprobs = self._logprobs(body, chat)
-        args = (stops, stream, include_usage, logprobs, eagle["trace"], eagle["speculate"])
+        try:
+            constraint = structured.constraint(body)
+            if constraint is not None:
+                field = "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+                if self.engine.multi_host:
+                    raise BadRequest("structured output is served by one-host servers only; leave it out", param=field)
+                structured.compile_bounded(self.grammars, constraint, field)
+        except structured.Refused as exc:
+            raise BadRequest(str(exc), param=exc.param) from None
+        args = (stops, stream, include_usage, logprobs, eagle["trace"], eagle["speculate"], constraint)
         return Parsed(tuple(prompts), max_tokens, sampling, seed, *args)
 
     def _logprobs(self, body: dict, chat: bool) -> int | None:
@@ -452,6 +475,7 @@ class Api:
                 on_logprobs=None if parsed.logprobs is None else lambda lp: put("logprobs", lp),
                 speculate=parsed.speculate,
                 on_sources=(lambda *cycle: put("sources", cycle)) if parsed.trace else lambda *cycle: None,
+                grammar=self.grammars.matcher(parsed.constraint) if parsed.constraint else None,
             )
 
         choices = [Choice(request(i, p), trace=Trace() if parsed.trace else None) for i, p in enumerate(parsed.prompts)]

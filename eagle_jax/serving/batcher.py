@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -65,6 +66,7 @@ class Request:
     on_sources: Callable[[list[str], str], None] = dataclasses.field(
         default=lambda sources, tree: None, repr=False, compare=False
     )
+    grammar: Any = None  # a fresh `grammar.Matcher` the answer follows (None: free text)
 
     def cancel(self) -> None:
         """Stop generating (a client went away or a stop string was met): a waiting request leaves the queue at
@@ -330,6 +332,7 @@ class Batcher:
                     owner=req,
                     logprobs=wants,
                     plain=not req.speculate,
+                    grammar=req.grammar,
                 )
                 with self.wake:
                     self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
