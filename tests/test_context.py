@@ -9,7 +9,7 @@ import pytest
 from tiny import plain_generate
 
 from cli import demo
-from eagle_jax.decoding import context, session, speculative
+from eagle_jax.decoding import context, generation, programs, session, speculative
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.context import NO_TOKEN
 from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
@@ -132,7 +132,7 @@ def test_greedy_with_context_drafts_equals_plain(tree, head, batch, pair):
     if not head:
         dcfg = dparams = None
     prompts = _prompts(batch, tcfg.vocab_size)
-    res = speculative.generate(tparams, dparams, prompts, 32, speculative.DecodeConfig(tcfg, dcfg, tree))
+    res = generation.generate(tparams, dparams, prompts, 32, speculative.DecodeConfig(tcfg, dcfg, tree))
     assert res.tokens == plain_generate(tparams, tcfg, prompts, 32).tokens
     assert res.tau > 1.2, res.tau
     assert all(0 <= a <= tree.max_accept for row in res.accept_lengths for a in row)
@@ -151,14 +151,16 @@ def test_a_context_cycle_has_a_narrow_branch_for_rows_without_candidates(monkeyp
         return real(*args, **kw)
 
     monkeypatch.setattr(speculative, "_forward", spy)
+    programs.forget()  # traced afresh, spied
     ref = plain_generate(tparams, tcfg, prompts, 6).tokens
     for tree, head in ((NoDraft(context=5, min_match=4), False), (DynamicTree(5, 4, 1, context=5), True)):
         widths.clear()
         models = (dparams, dcfg) if head else (None, None)
-        streamed = speculative.stream(tparams, models[0], prompts, 6, speculative.DecodeConfig(tcfg, models[1], tree))
+        streamed = generation.stream(tparams, models[0], prompts, 6, speculative.DecodeConfig(tcfg, models[1], tree))
         assert [t for new, _, _ in streamed for t in new[0]] == ref[0]
         assert sorted(set(widths)) == [tree.head_nodes, tree.num_nodes]
     jax.clear_caches()  # no spied program outlives this test
+    programs.forget()
 
 
 def test_chat_turns_with_context_drafts_equal_plain_turns(pair):

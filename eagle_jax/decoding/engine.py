@@ -6,10 +6,12 @@ size, one cycle per (bucket of live rows, attention span), and `retire`), the en
 live rows, and a `Row` beside each device row: whom it serves, the tokens its caches hold, the tokens already
 handed out. Its operations: `admit` a prompt into a row (an extend of the row that keeps what its caches already
 share with the prompt), `cycle` the live rows (plain decoding is the cycle with `tree.PLAIN`), `cancel` rows.
-The chat session, the server's batcher, one-shot and streamed generation drive one; none runs a program itself.
+The chat session, the server's batcher, one-shot and streamed generation (`generation`), the benchmark's runner and
+the budget's measurement drive one; none runs a program itself.
 
 Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
-rule of the settings with the key of the seed a row is admitted with (what `speculative.generate` does).
+rule of the settings with the key of the seed rows are admitted with (`admit_many` feeds them side by side, so a
+batch draws as one: what `generation.generate` does).
 
 A failure is never silent: when a program raises (compiling or running), the state it was given is gone (its
 buffers are donated), so the engine rebuilds fresh empty rows and raises `EngineError` with the owners of the rows
@@ -34,7 +36,7 @@ from eagle_jax.decoding import programs, schedule, speculative
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig, SpecState
-from eagle_jax.decoding.tree import PLAIN, TreeConfig
+from eagle_jax.decoding.tree import PLAIN, Tree, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed, sharding
 
@@ -196,6 +198,7 @@ class Engine:
             sharding.check_mesh(mesh, tcfg, dcfg, slots)
         self.compiled = programs.Precompiled()
         self.dead = False
+        self.tree: Tree | None = None  # the last cycle's tree (None after a loop of cycles)
         self.rows = [Row() for _ in range(slots)]
         self.state = self._empty()
 
@@ -255,20 +258,29 @@ class Engine:
         rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
         return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
 
-    def _feed(self, slot: int, piece: Piece, limit: int, sampling: SamplingConfig | None, seed: int) -> tuple:
-        """`speculative.extend`'s arguments that feed a piece of a prompt into one row."""
-        start, n, limits = (np.asarray([x], np.int32) for x in (piece.start, piece.n, limit))
-        rows = None if self.slots == 1 else np.asarray([slot], np.int32)
-        controls = RowControls.of([sampling or STATIC_SAMPLING], [seed]) if self.per_row else None
+    def _feed(self, fed: dict[int, Piece], limits: dict[int, int], sampling: SamplingConfig | None, seed: int) -> tuple:
+        """`speculative.extend`'s arguments that feed pieces of prompts into rows (slot -> piece, padded to the
+        largest): those rows alone with per-row sampling, else every row (the others fed nothing), as the static
+        rule draws for every row."""
+        slots = sorted(fed) if self.per_row else list(range(self.slots))
+        size = max(p.tokens.shape[0] for p in fed.values())
+        idle = Piece(0, np.zeros(size, np.int32), np.zeros(size, np.int32), 0, False)
+        each = [fed.get(s, idle) for s in slots]
+        pad = lambda a: np.pad(a, (0, size - a.shape[0]))  # noqa: E731
+        tokens, follow = (np.stack([pad(getattr(p, f)) for p in each]) for f in ("tokens", "follow"))  # [R, C]
+        start, n = (np.asarray([getattr(p, f) for p in each], np.int32) for f in ("start", "n"))  # [R]
+        final, limit = np.asarray([p.final for p in each]), np.asarray([limits.get(s, 0) for s in slots], np.int32)
+        rows = None if len(slots) == self.slots else np.asarray(slots, np.int32)
+        settings = [sampling or STATIC_SAMPLING] * len(slots)
+        controls = RowControls.of(settings, [seed] * len(slots)) if self.per_row else None
         key = jax.random.key(0 if self.per_row else seed)  # per-row keys follow positions (`decoding.rows`)
-        fed = (start, piece.tokens[None], piece.follow[None], n, np.asarray([piece.final]), limits, key)
-        return (self.tparams, self.dparams, self.state, *fed, controls, rows)
+        return (self.tparams, self.dparams, self.state, start, tokens, follow, n, final, limit, key, controls, rows)
 
     def _calls(self) -> list[tuple[str, Any, tuple, dict]]:
         """Every program, in the order a first answer needs them: the smallest chunk and span first."""
         feeds = [Piece(0, np.ones(c, np.int32), np.ones(c, np.int32), c, True) for c in sorted(self.chunks)]
         extends = [
-            (f"extend {p.n}", speculative.extend, self._feed(0, p, 1, None, 0), {"cfg": self.cfg}) for p in feeds
+            (f"extend {p.n}", speculative.extend, self._feed({0: p}, {0: 1}, None, 0), {"cfg": self.cfg}) for p in feeds
         ]
         cycles = [self._cycle_call(span, range(n)) for n in sorted(self.envelope) for span in self.spans]
         retiring = ("retire", retire, (self.state, np.zeros(self.slots, bool)), {})
@@ -322,16 +334,38 @@ class Engine:
         """Start a free row's answer to `prompt` (up to `max_tokens` new tokens, fewer where the cache ends), sampled
         as `sampling` says with `seed` (per-row engines; else the static rule): its caches keep what they share
         with the prompt, the rest is fed in chunks. Returns the prompt tokens kept."""
-        prompt = list(prompt)
-        limit = int(schedule.plan([len(prompt)], max_tokens, self.overhead, self.capacity).limits[0])
-        row = self.rows[slot]
-        keep = reusable(row.cached, prompt)
-        self.rows[slot] = Row(owner, False, [], 0)
-        with self._failing([slot]):
-            for piece in pieces(prompt, keep, self.chunks):
-                args = self._feed(slot, piece, limit, sampling, seed)
-                self.state = self.compiled(f"extend {piece.tokens.shape[0]}", speculative.extend, *args, cfg=self.cfg)
-        self.rows[slot] = Row(owner, True, prompt, 0)
+        return self.admit_many({slot: prompt}, max_tokens, sampling, seed, {slot: owner})[slot]
+
+    def admit_many(
+        self,
+        prompts: dict[int, Sequence[int]],
+        max_tokens: int,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        owners: dict[int, Any] | None = None,
+    ) -> dict[int, int]:
+        """`admit` free rows (slot -> prompt, slot -> owner) at once: with the static rule their chunks are fed
+        side by side, so each row's first token is its draw in one batch (what the cycles' draws are too).
+        Returns the prompt tokens each row kept."""
+        prompts = {slot: list(p) for slot, p in prompts.items()}
+        owners = owners or {}
+        sizes = schedule.plan([len(p) for p in prompts.values()], max_tokens, self.overhead, self.capacity)
+        limits = dict(zip(prompts, sizes.limits.tolist()))
+        keep = {slot: reusable(self.rows[slot].cached, p) for slot, p in prompts.items()}
+        fed = {slot: pieces(p, keep[slot], self.chunks) for slot, p in prompts.items()}
+        for slot in prompts:
+            self.rows[slot] = Row(owners.get(slot), False, [], 0)
+        # with per-row sampling a row's chunks are fed alone (one program per chunk size)
+        groups = [{slot: f} for slot, f in fed.items()] if self.per_row else [fed]
+        with self._failing(list(prompts)):
+            for group in groups:
+                for i in range(max(map(len, group.values()))):
+                    now = {slot: f[i] for slot, f in group.items() if i < len(f)}
+                    size = max(p.tokens.shape[0] for p in now.values())
+                    args = self._feed(now, limits, sampling, seed)
+                    self.state = self.compiled(f"extend {size}", speculative.extend, *args, cfg=self.cfg)
+        for slot, p in prompts.items():
+            self.rows[slot] = Row(owners.get(slot), True, p, 0)
         return keep
 
     def cycle(self) -> list[Step]:
@@ -346,7 +380,7 @@ class Engine:
             span = schedule.attention_span(int(needed[live].max()), self.capacity)
             name, fn, args, static = self._cycle_call(span, live)
             out = self.compiled(name, fn, *args, **static)
-            self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
+            self.state, self.tree = (out, None) if fn is speculative.run_span else out  # (state, tree) of one cycle
             counts, done, eos, tokens = self._outputs()
         steps = []
         for slot in live:
