@@ -482,13 +482,40 @@ def put_rows(s: SpecState, part: SpecState, rows: jax.Array) -> SpecState:
 
 def run_loop(tparams, dparams, state: SpecState, cfg: DecodeConfig, span: int | None = None) -> SpecState:
     """Cycles as one `lax.while_loop` (no host round trip per cycle) until every row is done or a
-    running row's next cycle would write past `span` cache slots (default: the whole cache)."""
+    running row's next cycle would write past `span` cache slots (default: the whole cache).
+
+    With context candidates in the tree, the cycles in which no running row has one run the tree without them
+    (`bare`: what the whole tree accepts then, the same tokens and draws) in a loop of their own, at that tree's
+    cost; the whole tree runs once each time a candidate appears (a loop run at most once: a cond whose branches
+    wrote the caches would copy them)."""
     span = kv_cache.span_of(state.target_cache, span)
 
     def go_on(s: SpecState) -> jax.Array:
         return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, cfg.tree) <= span))
 
-    return jax.lax.while_loop(go_on, lambda s: one_cycle(tparams, dparams, s, cfg, span)[0], state)
+    def cycles(settings: DecodeConfig):
+        return lambda s: one_cycle(tparams, dparams, s, settings, span)[0]
+
+    if not cfg.tree.context:
+        return jax.lax.while_loop(go_on, cycles(cfg), state)
+    bare = dataclasses.replace(cfg, tree=dataclasses.replace(cfg.tree, context=0))
+
+    def found(s: SpecState) -> jax.Array:
+        with jax.named_scope("context"):
+            _, valid = context.propose(
+                s.history[:, :span], s.target_cache.lengths, cfg.tree.context, cfg.tree.min_match
+            )
+        return jnp.any(valid[:, 0] & ~s.done)
+
+    def whole(c: tuple[SpecState, jax.Array]) -> tuple[SpecState, jax.Array]:
+        return cycles(cfg)(c[0]), jnp.bool_(True)
+
+    def rounds(s: SpecState) -> SpecState:
+        s = jax.lax.while_loop(lambda s: go_on(s) & ~found(s), cycles(bare), s)
+        # the whole tree once, when a candidate ended the bare cycles
+        return jax.lax.while_loop(lambda c: go_on(c[0]) & ~c[1], whole, (s, jnp.bool_(False)))[0]
+
+    return jax.lax.while_loop(go_on, rounds, state)
 
 
 run_span = jax.jit(run_loop, static_argnames=("cfg", "span"), donate_argnames=("state",))
