@@ -82,7 +82,7 @@ def test_turns_equal_decoding_from_scratch(pair, tree, stream):
     talk = session.Session(
         tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), CAPACITY, (64, 16), stream=stream
     )
-    assert talk.programs()[-1].startswith("cycle" if stream and tree.drafts else "decode loop")
+    assert talk.programs()[-2].startswith("cycle" if stream and tree.drafts else "decode loop")  # then "retire"
     prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
     for prompt, answer, accepted in zip(prompts, answers, accepts):
         # the head drafts from the same context too: the same cycles accept the same drafts
