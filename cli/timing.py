@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from eagle_jax.decoding import generation, programs, schedule, speculative
+from eagle_jax.decoding import generation, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.errors import EagleError
@@ -106,10 +106,6 @@ class Runner:
         shape = (len(prompts), self.prepare(prompts, self.max_new_tokens).capacity)
         if shape in self._warm:
             return
-        # one layout's programs at a time: every layout's (a dozen spans, both decoders) would exhaust the memory
-        # maps the CPU compiler's code takes (65530 by default) in a long run; the persistent cache reloads them
-        jax.clear_caches()
-        programs.forget()
         self._warm = set()
         for tree in dict.fromkeys((PLAIN, self.tree)):
             cfg, head = self._settings(tree)

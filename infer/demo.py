@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from cli import command, demo, envelope, generation
+from cli import command, demo, envelope, generation, models
 from eagle_jax.decoding import session
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, NoDraft
@@ -112,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
     target, draft, note = demo.default_pair()
     if note:
         print(note, file=sys.stderr, flush=True)
-    m = generation.load_models(target, draft, None, command.parse_dtype("fp32"), None)
+    m = models.load(models.Pair(None, target, draft, "fp32", None, None, None, note))
     tree, why = pick_tree(m)
     said = f" ({why}: the demo shows them anyway)" if why else " (the head's measured budget for one row here)"
     print(f"demo: {generation.pair_name(m, tree)}{said}; greedy, against plain decoding", flush=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from eagle_jax.decoding import generation, programs, speculative
+from eagle_jax.decoding import generation, speculative
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, envelope_from_json, envelope_json, envelope_name
 
 Envelope = DynamicTree | NoDraft
@@ -171,5 +171,4 @@ def calibrate(
         rows = [prompts[i % len(prompts)] for i in range(b)]
         measured[b] = measure(tparams, dparams, cfg, rows, new_tokens, candidates, rounds, log=log)
         jax.clear_caches()  # a dozen programs per batch size: free them before the next
-        programs.forget()
     return Budget(device_kind(), {b: choose(ms) for b, ms in measured.items()}, measured)

@@ -158,8 +158,7 @@ def _compile(program: tuple) -> concurrent.futures.Future:
 
 
 def forget() -> None:
-    """Let go of the programs compiled so far (engines keep theirs; the executable store reloads them): what a long
-    run over many cache layouts does between layouts, as the CPU compiler's code takes memory maps."""
+    """Let go of the programs compiled so far (engines keep theirs): the next engine compiles its own afresh."""
     with _COMPILED_LOCK:
         _COMPILED.clear()
 
