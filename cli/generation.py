@@ -1,5 +1,6 @@
 """What `infer.generate` does with its flags, as steps the command calls: the settings, the models, one generation
-through `programs.generate` (one device or a mesh, streaming or not), its report, the speedup against plain decoding."""
+through `decoding.generation` (one device or a mesh, streaming or not), its report, the speedup against plain
+decoding."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ import jax
 
 from cli import command, envelope, presets
 from cli.models import Models
-from eagle_jax.decoding import constrained, programs, schedule
 from eagle_jax.decoding import engine as engines
+from eagle_jax.decoding import generation, schedule
 from eagle_jax.decoding.budget import MARGIN
 from eagle_jax.decoding.grammar import Constraint, Grammars
 from eagle_jax.decoding.sampling import SamplingConfig
@@ -213,23 +214,22 @@ def run_generation(
             capacity or s.max_len,
             m.tcfg.rope.max_position_embeddings,
         )
-    streamed = s.stream and m.mesh is None
     if s.constraint is not None:
         return _run_constrained(m, prompts, s, on_new, p)
     t0 = time.perf_counter()
     with engines.failing():  # a device or compiler failure: one line
-        result = programs.generate(
+        result = generation.generate(
             m.tparams,
             m.dparams,
             prompts,
             s.max_new_tokens,
             s.decode,
-            m.mesh,
             seed=s.seed,
             capacity=p.capacity,
-            on_new=on_new if streamed else None,
+            mesh=m.mesh,
+            on_new=on_new if s.stream else None,
         )
-    if on_new is not None and not streamed:
+    if on_new is not None and not s.stream:
         on_new(result.tokens)
     return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
 
@@ -241,16 +241,16 @@ def _run_constrained(m: Models, prompts: list[list[int]], s: Settings, on_new, p
         grammars.check(s.constraint)
     t0 = time.perf_counter()
     with engines.failing():
-        result = constrained.generate(
+        result = generation.generate(
             m.tparams,
             m.dparams,
             prompts,
             s.max_new_tokens,
             s.decode,
-            [grammars.matcher(s.constraint) for _ in prompts],
             seed=s.seed,
             capacity=p.capacity,
             on_new=on_new,
+            matchers=[grammars.matcher(s.constraint) for _ in prompts],
         )
     return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
 

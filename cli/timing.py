@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import functools
 import json
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from eagle_jax.decoding import schedule, speculative
+from eagle_jax.decoding import generation, schedule, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.errors import EagleError
@@ -86,46 +85,32 @@ class Runner:
         return self._run(self.tree, prompts, max_new_tokens)
 
     def _run(self, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int | None) -> dict:
-        """Prefill, then the generation loop with `tree`, each timed (in the speculative side's cache layout)."""
-        p = self.prepare(prompts, max_new_tokens or self.max_new_tokens)
+        """Prefill, then the cycles with `tree`, each timed (in the speculative side's cache layout): an engine's
+        on-device loops (`generation.generate`)."""
+        max_new_tokens = max_new_tokens or self.max_new_tokens
+        p = self.prepare(prompts, max_new_tokens)
         cfg, head = self._settings(tree)
-        key = jax.random.key(self.seed)
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(
-            speculative.prefill(self.tparams, head, p.tokens, p.lengths, p.limits, key, cfg=cfg, capacity=p.capacity)
-        )
-        t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(self.tparams, head, state, cfg=cfg))
-        t2 = time.perf_counter()
-        res = speculative.result(state)
+        res = generation.generate(self.tparams, head, prompts, max_new_tokens, cfg, self.seed, p.capacity)
         return {
             "tokens": res.tokens,
             "accept_lengths": res.accept_lengths,
-            "prefill_s": t1 - t0,
-            "decode_s": t2 - t1,
-            "seconds": t2 - t0,
-            "cycles": int(state.cycle),
+            "prefill_s": res.prefill_s,
+            "decode_s": res.decode_s,
+            "seconds": res.prefill_s + res.decode_s,
+            "cycles": max(res.cycles),  # of the batch: every row is computed until the last is done
         }
 
     def warm(self, prompts: list[list[int]]) -> None:
-        """Run the batch's prompt bucket through both decoders once, over every attention span, so that the timed
-        runs find every program compiled and run before (XLA:CPU finishes some kernels on their first run)."""
-        shape = (len(prompts), schedule.prompt_bucket(max(map(len, prompts))))
+        """Compile both decoders' programs for the batch's cache layout (every chunk size and attention span: the
+        engine's warm-up) and run a short generation through them, so that the timed runs compile nothing."""
+        shape = (len(prompts), self.prepare(prompts, self.max_new_tokens).capacity)
         if shape in self._warm:
             return
-        # one shape's programs at a time: every bucket's (a dozen spans, both decoders) would exhaust the memory
-        # maps the CPU compiler's code takes (65530 by default) in a long run; the persistent cache reloads them
-        jax.clear_caches()
         self._warm = set()
-        p = self.prepare(prompts, self.max_new_tokens)
-        key, few = jax.random.key(self.seed), p.limits * 0 + 2  # a cycle or two in each span
-        for span in schedule.all_spans(p.capacity):  # fresh states: the loops consume (donate) theirs
-            for tree in dict.fromkeys((PLAIN, self.tree)):
-                cfg, head = self._settings(tree)
-                state = speculative.prefill(
-                    self.tparams, head, p.tokens, p.lengths, few, key, cfg=cfg, capacity=p.capacity
-                )
-                jax.block_until_ready(speculative.run_span(self.tparams, head, state, cfg=cfg, span=span))
+        for tree in dict.fromkeys((PLAIN, self.tree)):
+            cfg, head = self._settings(tree)
+            generation.engine_for(self.tparams, head, prompts, self.max_new_tokens, cfg, shape[1]).warm_up()
+            generation.generate(self.tparams, head, prompts, 2, cfg, self.seed, shape[1])
         self._warm.add(shape)
 
 

@@ -112,7 +112,7 @@ def _main(argv: Sequence[str] | None) -> int:
     target, draft, note = demo.default_pair()
     if note:
         print(note, file=sys.stderr, flush=True)
-    m = models.load(models.Pair(None, target, draft, "fp32", None, None, None, None))
+    m = models.load(models.Pair(None, target, draft, "fp32", None, None, None, note))
     tree, why = pick_tree(m)
     said = f" ({why}: the demo shows them anyway)" if why else " (the head's measured budget for one row here)"
     print(f"demo: {generation.pair_name(m, tree)}{said}; greedy, against plain decoding", flush=True)

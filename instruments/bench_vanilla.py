@@ -2,7 +2,8 @@
 
     python -m instruments.bench_vanilla [--batch-sizes 1,8] [--prompt-len 128] [--new-tokens 64] [--json OUT]
 
-Compilation is excluded (one warm-up run per batch size); every timing ends with block_until_ready.
+Generation runs on an engine (`decoding.generation`); compilation is excluded (one warm-up run per batch size);
+every timing ends with block_until_ready.
 Decode tokens/s counts the tokens made by the decode loop (new_tokens - 1 per row; the first comes
 from prefill). The random model never stops early: it has no eos ids.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 
 import jax
@@ -21,7 +21,8 @@ import numpy as np
 from tqdm import tqdm
 
 from cli import command
-from eagle_jax.decoding import schedule, speculative
+from eagle_jax.decoding import generation, schedule, speculative
+from eagle_jax.decoding.engine import chunk_plan
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN
 from eagle_jax.errors import EagleError
@@ -49,29 +50,21 @@ def bench_batch(
     """Median prefill and decode throughput over `repeats` timed runs after one warm-up run."""
     rng = np.random.default_rng(batch)
     prompts = rng.integers(3, cfg.vocab_size, (batch, prompt_len)).tolist()
-    p = schedule.prepare(prompts, new_tokens)
-    tokens, lengths, limits, capacity = p.tokens, p.lengths, p.limits, p.capacity
+    capacity = schedule.plan([prompt_len] * batch, new_tokens).capacity
     plain = speculative.DecodeConfig(cfg, None, PLAIN, SamplingConfig())
-    key = jax.random.key(0)
     prefill_s, decode_s, decoded = [], [], 0
     for run in range(repeats + 1):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(
-            speculative.prefill(params, None, tokens, lengths, limits, key, cfg=plain, capacity=capacity)
-        )
-        t1 = time.perf_counter()
-        state = jax.block_until_ready(speculative.run(params, None, state, cfg=plain))
-        t2 = time.perf_counter()
+        res = generation.generate(params, None, prompts, new_tokens, plain, capacity=capacity)
         if run:  # run 0 compiles
-            prefill_s.append(t1 - t0)
-            decode_s.append(t2 - t1)
-            decoded = int(state.counts.sum()) - batch
+            prefill_s.append(res.prefill_s)
+            decode_s.append(res.decode_s)
+            decoded = sum(res.new_tokens) - batch
         progress.update(1)
     prefill_t, decode_t = statistics.median(prefill_s), statistics.median(decode_s)
     return {
         "batch": batch,
         "prompt_len": prompt_len,
-        "bucket": int(tokens.shape[1]),
+        "chunks": chunk_plan(prompt_len),  # the prefill's chunk sizes
         "capacity": capacity,
         "new_tokens": new_tokens,
         "prefill_s": prefill_t,

@@ -7,7 +7,7 @@ The user turns are MT-bench's (both turns of the first questions, in order), wit
 template. One `session.Session` warms up (its compile time is printed), then answers each turn: the
 table shows the prompt, how much of it the caches already held, the turn's prefill and decode time,
 its wall time and the programs compiled during it (0 after warm-up), next to decoding the same whole
-conversation from scratch with `speculative.generate` (timed after an untimed run,
+conversation from scratch with `generation.generate` (timed after an untimed run,
 so without compilation). Without --target, the demo pair.
 """
 
@@ -23,7 +23,7 @@ from jax import monitoring
 from tqdm import tqdm
 
 from cli import command, demo, envelope, models
-from eagle_jax.decoding import session, speculative
+from eagle_jax.decoding import generation, session, speculative
 from eagle_jax.decoding.tree import PLAIN, DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading
@@ -67,7 +67,7 @@ def measure(models, tok, tree, turns: int, max_new: int, capacity: int) -> dict:
         t = talk.last
         history.append({"role": "assistant", "content": tok.decode(t.tokens, skip_special_tokens=True)})
         scratch = _timed(
-            lambda p=prompt: speculative.generate(
+            lambda p=prompt: generation.generate(
                 tparams, dparams, [p], max_new, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=capacity
             )
         )

@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT))
 from jax import monitoring  # noqa: E402
 
 from cli import compile_cache  # noqa: E402
-from eagle_jax.decoding import session, speculative  # noqa: E402
+from eagle_jax.decoding import generation, session, speculative  # noqa: E402
 from eagle_jax.decoding.tree import DynamicTree  # noqa: E402
 from eagle_jax.io import loading  # noqa: E402
 
@@ -37,5 +37,5 @@ if __name__ == "__main__":
     talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(5, 4, 1)), 256, (32,))
     talk.warm_up()
     answer = [t for chunk in talk.reply([5, 6, 7, 8, 9], 12) for t in chunk]
-    generated = speculative.generate(tparams, dparams, [[5, 6, 7, 8, 9]], 6, talk.cfg).tokens[0]  # jit_run_loop
+    generated = generation.generate(tparams, dparams, [[5, 6, 7, 8, 9]], 6, talk.cfg).tokens[0]  # jit_run_loop
     print(json.dumps({"answer": answer, "generated": generated, "programs": len(talk.programs()), **events}))

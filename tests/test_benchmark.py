@@ -180,7 +180,7 @@ def test_auto_budget_picks_the_fastest_and_saves_a_budget(golden_with_template, 
 def test_warm_up_compiles_every_span(golden_with_template):
     """After `Runner.warm`, timed runs of any prompts in the bucket compile nothing, across spans."""
     from cli.timing import Runner
-    from eagle_jax.decoding import schedule, speculative
+    from eagle_jax.decoding import programs, schedule
     from eagle_jax.decoding.tree import DynamicTree
 
     runner = Runner(golden_with_template, GOLDEN / "eagle3", 0.0, 200, 30)
@@ -188,11 +188,10 @@ def test_warm_up_compiles_every_span(golden_with_template):
     ids = runner.prompt([{"role": "user", "content": "Tell me about the sea."}])
     assert len(schedule.all_spans(runner.prepare([ids], 200).capacity)) >= 2
     runner.warm([ids])
-    programs = (speculative.prefill, speculative.run_span)
-    before = [f._cache_size() for f in programs]
+    before = set(programs._COMPILED)
     for prompt in (ids, ids[:-2]):
         assert runner.plain([prompt])["tokens"] == runner.speculative([prompt])["tokens"]
-    assert [f._cache_size() for f in programs] == before
+    assert set(programs._COMPILED) == before
 
 
 def test_read_questions_errors(tmp_path):
@@ -210,7 +209,7 @@ def test_read_questions_errors(tmp_path):
 def test_demo_pair_lossless():
     from transformers import AutoTokenizer
 
-    from eagle_jax.decoding import speculative
+    from eagle_jax.decoding import generation, speculative
     from eagle_jax.decoding.tree import DynamicTree
     from eagle_jax.io.loading import load_draft, load_target
 
@@ -227,7 +226,7 @@ def test_demo_pair_lossless():
         DynamicTree(total_tokens=5, depth=3, top_k=1),
         DynamicTree(total_tokens=16, depth=4, top_k=4),
     ):  # the demo's chain, a tree
-        spec = speculative.generate(tparams, dparams, [ids], 64, speculative.DecodeConfig(tcfg, dcfg, tree))
+        spec = generation.generate(tparams, dparams, [ids], 64, speculative.DecodeConfig(tcfg, dcfg, tree))
         assert spec.tokens[0] == plain.tokens[0]
         assert spec.tau > 2.0  # the trained head gets most drafts accepted
 

@@ -9,9 +9,10 @@ import pytest
 from tiny import plain_generate
 
 from cli import demo
-from eagle_jax.decoding import context, session, speculative
+from eagle_jax.decoding import context, generation, programs, session, speculative
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.context import NO_TOKEN
+from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import loading
@@ -132,7 +133,7 @@ def test_greedy_with_context_drafts_equals_plain(tree, head, batch, pair):
     if not head:
         dcfg = dparams = None
     prompts = _prompts(batch, tcfg.vocab_size)
-    res = speculative.generate(tparams, dparams, prompts, 32, speculative.DecodeConfig(tcfg, dcfg, tree))
+    res = generation.generate(tparams, dparams, prompts, 32, speculative.DecodeConfig(tcfg, dcfg, tree))
     assert res.tokens == plain_generate(tparams, tcfg, prompts, 32).tokens
     assert res.tau > 1.2, res.tau
     assert all(0 <= a <= tree.max_accept for row in res.accept_lengths for a in row)
@@ -151,14 +152,74 @@ def test_a_context_cycle_has_a_narrow_branch_for_rows_without_candidates(monkeyp
         return real(*args, **kw)
 
     monkeypatch.setattr(speculative, "_forward", spy)
+    programs.forget()  # traced afresh, spied
     ref = plain_generate(tparams, tcfg, prompts, 6).tokens
     for tree, head in ((NoDraft(context=5, min_match=4), False), (DynamicTree(5, 4, 1, context=5), True)):
         widths.clear()
         models = (dparams, dcfg) if head else (None, None)
-        streamed = speculative.stream(tparams, models[0], prompts, 6, speculative.DecodeConfig(tcfg, models[1], tree))
+        streamed = generation.stream(tparams, models[0], prompts, 6, speculative.DecodeConfig(tcfg, models[1], tree))
         assert [t for new, _, _ in streamed for t in new[0]] == ref[0]
         assert sorted(set(widths)) == [tree.head_nodes, tree.num_nodes]
     jax.clear_caches()  # no spied program outlives this test
+    programs.forget()
+
+
+def test_a_context_loop_runs_the_whole_tree_only_when_a_candidate_exists(monkeypatch, pair):
+    """In on-device loops a cycle in which no running row has a context candidate runs the tree without its
+    context branch (here the root alone: a plain step), the whole tree only when one has; the tokens and accept
+    lengths are those of the streamed cycles, which verify the whole tree's program every time."""
+    tcfg, tparams, _, _ = pair
+    ran = []  # per cycle run: whether its tree had the context branch
+    real = speculative.one_cycle
+
+    def counted(tparams, dparams, s, cfg, span):
+        state, tr = real(tparams, dparams, s, cfg, span)
+        jax.debug.callback(lambda _: ran.append(bool(cfg.tree.context)), state.cycle)
+        return state, tr
+
+    monkeypatch.setattr(speculative, "one_cycle", counted)
+    programs.forget()  # traced afresh, counted
+    tree = NoDraft(context=5, min_match=2)
+    cfg = speculative.DecodeConfig(tcfg, None, tree)
+    try:
+        for prompt in ([11, 14, 17, 20, 23, 26, 29, 32], _prompts(1, tcfg.vocab_size)[0]):  # fresh, repeating
+            tokens, accepts, found = [], [], []  # of the streamed cycles (each state is donated to the next)
+            for c, (new, tr, state) in enumerate(generation.stream(tparams, None, [prompt], 24, cfg)):
+                tokens += new[0]
+                accepts.append(int(state.accept_lengths[c, 0]))
+                found.append(bool(np.any(np.asarray(tr.tokens)[0, 1:] != NO_TOKEN)))
+            jax.effects_barrier()
+            ran.clear()
+            looped = generation.generate(tparams, None, [prompt], 24, cfg)
+            jax.effects_barrier()
+            assert ran == found, (ran, found)
+            assert looped.tokens[0] == tokens and looped.accept_lengths[0] == accepts
+        assert any(found) and not all(found)  # the repeating prompt has cycles of both kinds
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # no counted program outlives this test
+        programs.forget()
+
+
+@pytest.mark.parametrize(
+    "tree,head", [(NoDraft(context=5, min_match=1), False), (DynamicTree(5, 4, 1, context=5, min_match=1), True)]
+)
+def test_context_loops_draw_what_streamed_cycles_draw(tree, head, pair):
+    """Sampled with a seed, the on-device loops (cycles without a candidate run the tree without its context
+    branch) give the streamed cycles' tokens and accept lengths, rows with and without candidates in one batch."""
+    tcfg, tparams, dcfg, dparams = pair
+    if not head:
+        dcfg = dparams = None
+    cfg = speculative.DecodeConfig(tcfg, dcfg, tree, SamplingConfig(0.3))  # low: the target copies
+    prompts = _prompts(4, tcfg.vocab_size)
+    looped = generation.generate(tparams, dparams, prompts, 24, cfg, seed=3)
+    tokens, accepts = [[] for _ in prompts], [[] for _ in prompts]
+    for c, (new, _, state) in enumerate(generation.stream(tparams, dparams, prompts, 24, cfg, seed=3)):
+        for r, more in enumerate(new):
+            tokens[r] += more
+            accepts[r] += [int(state.accept_lengths[c, r])] if more else []
+    assert looped.tokens == tokens and looped.accept_lengths == accepts
+    assert sum(map(sum, accepts)) > 0  # candidates were accepted
 
 
 def test_chat_turns_with_context_drafts_equal_plain_turns(pair):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file
 
-from eagle_jax.decoding import speculative
+from eagle_jax.decoding import generation, speculative
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
 from eagle_jax.io import convert, official, store
@@ -156,7 +156,7 @@ def test_restore_onto_mesh(mesh_text, stores, golden_dir, golden_target):
 def _streamed(tparams, tcfg, dparams, dcfg, prompt: list[int], n: int) -> tuple[list[int], list[int]]:
     """(tokens, accept lengths) of a streamed generation (the compiles test_engine's parity tests share)."""
     tokens, accepts = [], []
-    for new, _, state in speculative.stream(
+    for new, _, state in generation.stream(
         tparams, dparams, [prompt], n, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(16, 4, 4)), capacity=256
     ):
         tokens += new[0]

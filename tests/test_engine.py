@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tiny import FAMILIES, plain_generate, tiny_draft, tiny_target, with_eos
 
-from eagle_jax.decoding import speculative
+from eagle_jax.decoding import generation, programs, speculative
 from eagle_jax.decoding import tree as trees
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import DynamicTree, NoDraft, StaticTree
@@ -54,7 +54,7 @@ def test_golden_parity(head, setting, heads, golden_target, reference):
     tokens = [[] for _ in prompts]
     acc = [[] for _ in prompts]
     for c, (new, tr, state) in enumerate(
-        speculative.stream(tparams, dparams, prompts, 64, speculative.DecodeConfig(tcfg, dcfg, spec))
+        generation.stream(tparams, dparams, prompts, 64, speculative.DecodeConfig(tcfg, dcfg, spec))
     ):
         paths = leaf_paths(tr)
         for i in range(4):
@@ -88,8 +88,8 @@ def test_while_loop_equals_stream(heads, golden_target, reference):
     dcfg, dparams = heads["eagle3"]
     spec = SETTINGS["t16_d4_k4"]
     prompt = reference["p2.input_ids"].tolist()
-    res = speculative.generate(tparams, dparams, [prompt], 40, speculative.DecodeConfig(tcfg, dcfg, spec))
-    streamed = list(speculative.stream(tparams, dparams, [prompt], 40, speculative.DecodeConfig(tcfg, dcfg, spec)))
+    res = generation.generate(tparams, dparams, [prompt], 40, speculative.DecodeConfig(tcfg, dcfg, spec))
+    streamed = list(generation.stream(tparams, dparams, [prompt], 40, speculative.DecodeConfig(tcfg, dcfg, spec)))
     assert res.tokens[0] == [t for new, _, _ in streamed for t in new[0]]
     assert len(res.tokens[0]) == 40
     assert res.cycles == [len(streamed)]
@@ -131,7 +131,7 @@ def test_greedy_lossless(family, kind, envelope, tied, batch, seed):
     dcfg, dparams = tiny_draft(kind, tcfg, seed=seed + 1, draft_vocab=32 if kind == "eagle3" else None)
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(1, 48, size=n).tolist() for n in (9, 3, 1, 17)][:batch]
-    res = speculative.generate(tparams, dparams, prompts, 24, speculative.DecodeConfig(tcfg, dcfg, envelope))
+    res = generation.generate(tparams, dparams, prompts, 24, speculative.DecodeConfig(tcfg, dcfg, envelope))
     assert res.tokens == _plain(tparams, tcfg, prompts, 24)
     assert all(0 <= a <= envelope.max_depth for row in res.accept_lengths for a in row)
     assert sum(a for row in res.accept_lengths for a in row) > 0  # some drafts were accepted
@@ -155,8 +155,9 @@ def test_a_cycle_of_some_rows_equals_theirs_in_a_cycle_of_all(envelope):
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=6, draft_vocab=32)
     cfg = speculative.DecodeConfig(tcfg, dcfg, envelope)
     prompts = [[5, 6, 7, 5, 6] * 2, [9, 3], [4] * 7, [11, 12, 13, 11, 12, 13, 11]]
-    state = speculative.init_state(tparams, dparams, prompts, 12, cfg, seed=0, capacity=64)
-    state = speculative.cycle(tparams, dparams, state, cfg=cfg)[0]  # rows with caches of different lengths
+    engine = generation.engine_for(tparams, dparams, prompts, 12, cfg, capacity=64)
+    engine.admit_many(dict(enumerate(prompts)), 12)
+    state = speculative.cycle(tparams, dparams, engine.state, cfg=cfg)[0]  # rows with caches of different lengths
     rest, moved = _rows_of(state, [0, 2]), _rows_of(state, [1, 3])  # (the cycles donate the state)
     every = _rows_of(speculative.cycle(tparams, dparams, jax.tree.map(jnp.copy, state), cfg=cfg)[0], [1, 3])
     some = speculative.cycle(tparams, dparams, state, jnp.asarray([3, 1], jnp.int32), cfg=cfg)[0]
@@ -169,31 +170,31 @@ def test_a_cycle_of_some_rows_equals_theirs_in_a_cycle_of_all(envelope):
 
 def test_growing_attention_spans_are_lossless(monkeypatch):
     """300 new tokens for rows of different lengths cross spans 128 -> 256 -> 384. The programs each decoder
-    compiles attend over exactly those spans (seen in the forwards they trace) and over the prompt bucket
-    in prefill; speculative output equals plain greedy, streamed or looped, and plain greedy in segments
-    equals one whole-cache loop."""
+    compiles attend over exactly those spans (seen in the forwards they trace); speculative output equals plain
+    greedy, streamed or looped, and plain greedy in segments equals one whole-cache loop."""
     traced = []  # the attention span of every forward traced, target and draft
     window_mask = kv_cache.window_mask
     monkeypatch.setattr(kv_cache, "window_mask", lambda c, m, span: traced.append(span) or window_mask(c, m, span))
     jax.clear_caches()  # trace afresh
+    monkeypatch.setattr(programs, "_COMPILED", {})
     tcfg, tparams = tiny_target("llama", seed=7, vocab=48)
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=8, draft_vocab=32)
     prompts = [[5, 6, 7, 8, 9] * 6, [3, 1]]  # bucket 32; capacity 384 (32 + 300 + one tree, rounded up)
     want = _plain(tparams, tcfg, prompts, 300)
-    assert sorted(set(traced)) == [32, 128, 256, 384]
+    assert sorted(set(traced)) == [128, 256, 384]
     traced.clear()
     tree = DynamicTree(8, 4, 2)
     assert (
-        speculative.generate(tparams, dparams, prompts, 300, speculative.DecodeConfig(tcfg, dcfg, tree)).tokens == want
+        generation.generate(tparams, dparams, prompts, 300, speculative.DecodeConfig(tcfg, dcfg, tree)).tokens == want
     )
-    assert sorted(set(traced)) == [32, 128, 256, 384]
+    assert sorted(set(traced)) == [128, 256, 384]
     traced.clear()
     streamed = [[] for _ in prompts]
-    for new, _, _ in speculative.stream(tparams, dparams, prompts, 300, speculative.DecodeConfig(tcfg, dcfg, tree)):
+    for new, _, _ in generation.stream(tparams, dparams, prompts, 300, speculative.DecodeConfig(tcfg, dcfg, tree)):
         for row, toks in zip(streamed, new):
             row.extend(toks)
     assert streamed == want
-    assert sorted(set(traced)) == [128, 256, 384]  # the streamed cycle (prefill compiled already)
+    assert sorted(set(traced)) == [128, 256, 384]  # the streamed cycle
     cfg = speculative.DecodeConfig(tcfg)
     p = speculative.prepare(prompts, 300, cfg)
     state = speculative.prefill(
@@ -215,7 +216,7 @@ def test_bf16_engine_equals_bf16_plain(heads, golden_target, reference):
     tparams, dparams = bf16(tparams), bf16(dparams)
     prompts = [reference[f"p{i}.input_ids"].tolist() for i in range(4)]
     want = plain_generate(tparams, tcfg, prompts, 32).tokens
-    res = speculative.generate(
+    res = generation.generate(
         tparams, dparams, prompts, 32, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(16, 4, 4))
     )
     assert res.tokens == want and res.tau > 2
@@ -243,7 +244,7 @@ def test_eos_and_budget_per_row():
     tcfg_eos = with_eos(tcfg, (eos,))
     expected = _plain(tparams, tcfg_eos, prompts, 30)
     assert expected[0][-1] == eos and len(expected[0]) <= 8
-    res = speculative.generate(
+    res = generation.generate(
         tparams, dparams, prompts, 30, speculative.DecodeConfig(tcfg_eos, dcfg, DynamicTree(16, 4, 4))
     )
     assert res.tokens == expected
@@ -308,7 +309,7 @@ def test_sampling_lossless():
     dcfg, dparams = tiny_draft("eagle3", tcfg, seed=12, draft_vocab=6)
     prompt = [1, 4, 2]
     exact = _exact_joint(tparams, tcfg, prompt, sc, n_tok)
-    res = speculative.generate(
+    res = generation.generate(
         tparams,
         dparams,
         [prompt] * n_rows,
@@ -431,7 +432,7 @@ def _streamed_sample(models, tree, sc, rows: int, seed: int):
     """(tokens [R, NEW], per-cycle (tree tokens, tree parents, tokens emitted before)) of a streamed run."""
     tcfg, tparams, dcfg, dparams = models
     tokens, cycles = [[] for _ in range(rows)], []
-    for new, tr, _ in speculative.stream(
+    for new, tr, _ in generation.stream(
         tparams,
         dparams,
         _prompts(rows),
@@ -495,11 +496,13 @@ def test_sampling_tests_reject_a_subtle_bias(monkeypatch):
     models = _sampling_models(kind)
     monkeypatch.setattr(speculative, "_forward", biased_forward)
     jax.clear_caches()
+    programs.forget()  # compiled afresh, biased
     try:
         _, p_draft = _law_p_values(models, tree, sc)
     finally:
         monkeypatch.undo()
         jax.clear_caches()  # no biased program outlives this test
+        programs.forget()
     assert p_draft < 1e-5, p_draft
 
 
@@ -509,7 +512,7 @@ def test_seeds_reproduce_samples():
     tcfg, tparams, dcfg, dparams = models = _sampling_models(kind)
 
     def looped(seed: int) -> list[list[int]]:
-        return speculative.generate(
+        return generation.generate(
             tparams,
             dparams,
             _prompts(6),
@@ -524,14 +527,16 @@ def test_seeds_reproduce_samples():
 
 
 def test_no_compile_after_warmup(heads, golden_target):
-    """A second prompt length in the same bucket and more cycles compile nothing."""
+    """A second prompt length and more cycles in the same cache compile nothing (a larger cache does)."""
     tcfg, tparams = golden_target
     dcfg, dparams = heads["eagle3"]
-    spec = DynamicTree(16, 4, 4)
-    speculative.generate(tparams, dparams, [[1, 5, 9, 3]], 20, speculative.DecodeConfig(tcfg, dcfg, spec))
-    before = (speculative.prefill._cache_size(), speculative.run_span._cache_size())
-    speculative.generate(tparams, dparams, [[1, 5, 9, 3, 7, 8, 11]], 40, speculative.DecodeConfig(tcfg, dcfg, spec))
-    assert (speculative.prefill._cache_size(), speculative.run_span._cache_size()) == before
+    cfg = speculative.DecodeConfig(tcfg, dcfg, DynamicTree(16, 4, 4))
+    generation.generate(tparams, dparams, [[1, 5, 9, 3]], 20, cfg)
+    before = set(programs._COMPILED)
+    generation.generate(tparams, dparams, [[1, 5, 9, 3, 7, 8, 11]], 40, cfg)
+    assert set(programs._COMPILED) == before
+    generation.generate(tparams, dparams, [[1, 5, 9, 3]], 20, cfg, capacity=256)
+    assert set(programs._COMPILED) > before
 
 
 def test_each_emitted_token_is_marked_by_the_node_it_came_from(heads, golden_target, reference):
@@ -544,7 +549,7 @@ def test_each_emitted_token_is_marked_by_the_node_it_came_from(heads, golden_tar
     tree = DynamicTree(4, 2, 1, context=6, min_match=1)  # the answers fall into loops the context branch follows
     prompts = [reference["p0.input_ids"].tolist(), [5, 6, 7, 8, 9] * 6]
     before, seen = np.zeros(2, int), set()
-    for _, tr, state in speculative.stream(tparams, dparams, prompts, 96, speculative.DecodeConfig(tcfg, dcfg, tree)):
+    for _, tr, state in generation.stream(tparams, dparams, prompts, 96, speculative.DecodeConfig(tcfg, dcfg, tree)):
         counts, out, sources = jax.device_get((state.counts, state.out, state.sources))
         tokens, parents = np.asarray(tr.tokens), np.asarray(tr.parents)
         for row in range(2):

@@ -17,7 +17,7 @@ from procs import finish, launch
 from tiny import plain_generate, tiny_draft, tiny_target
 
 from cli import plan
-from eagle_jax.decoding import programs, speculative
+from eagle_jax.decoding import generation, speculative
 from eagle_jax.decoding.tree import DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
 from eagle_jax.models import quantize, target
@@ -41,7 +41,7 @@ def test_speculation_is_lossless_against_the_int8_target(family, kind, envelope,
     dcfg, dparams = tiny_draft(kind, tcfg, seed=4, draft_vocab=32 if kind == "eagle3" else None)
     prompts = [[5, 9, 2, 7, 11, 3, 8, 1, 4], [6, 2], [30, 31, 32, 30, 31, 32, 30, 31]]
     want = plain_generate(qparams, qcfg, prompts, 24).tokens
-    res = speculative.generate(qparams, dparams, prompts, 24, speculative.DecodeConfig(qcfg, dcfg, envelope))
+    res = generation.generate(qparams, dparams, prompts, 24, speculative.DecodeConfig(qcfg, dcfg, envelope))
     assert res.tokens == want
     assert sum(a for row in res.accept_lengths for a in row) > 0  # the float head drafts for the int8 target
 
@@ -82,8 +82,8 @@ def test_int8_on_a_mesh_equals_one_device():
     mesh = sharding.make_mesh("tensor=4,data=2", jax.devices()[:8])
     placed = sharding.place(qparams, sharding.target_shardings(qcfg, mesh))
     assert placed["layers"][0]["q"].scale.sharding.spec == jax.sharding.PartitionSpec(None, "tensor")
-    got = programs.generate(placed, dparams, prompts, 8, cfg, mesh)
-    assert got.tokens == speculative.generate(qparams, dparams, prompts, 8, cfg).tokens
+    got = generation.generate(placed, dparams, prompts, 8, cfg, mesh=mesh)
+    assert got.tokens == generation.generate(qparams, dparams, prompts, 8, cfg).tokens
 
 
 def test_the_memory_plan_counts_int8_weights():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eagle_jax.decoding import engine as engines
-from eagle_jax.decoding import programs, session, speculative
+from eagle_jax.decoding import generation, programs, session, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, StaticTree
 from eagle_jax.errors import EagleError
@@ -82,11 +82,11 @@ def test_turns_equal_decoding_from_scratch(pair, tree, stream):
     talk = session.Session(
         tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), CAPACITY, (64, 16), stream=stream
     )
-    assert talk.programs()[-2].startswith("cycle" if stream and tree.drafts else "decode loop")  # (the last is retire)
+    assert talk.programs()[-2].startswith("cycle" if stream and tree.drafts else "decode loop")  # then "retire"
     prompts, answers, kept, accepts = _conversation(talk, 45, 4, 20, np.random.default_rng(1))
     for prompt, answer, accepted in zip(prompts, answers, accepts):
         # the head drafts from the same context too: the same cycles accept the same drafts
-        expected = speculative.generate(
+        expected = generation.generate(
             tparams, dparams, [prompt], 20, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=CAPACITY
         )
         assert answer == expected.tokens[0] and accepted == expected.accept_lengths[0]
@@ -108,12 +108,12 @@ def test_a_changed_conversation_drops_what_differs(pair):
     assert talk.last.reused_tokens == 24
     assert (
         answer
-        == speculative.generate(tparams, dparams, [edited], 12, speculative.DecodeConfig(tcfg, dcfg, TREE)).tokens[0]
+        == generation.generate(tparams, dparams, [edited], 12, speculative.DecodeConfig(tcfg, dcfg, TREE)).tokens[0]
     )
 
 
 def test_sampled_turns_equal_sampling_from_scratch(pair):
-    """With the same seed a sampled turn draws exactly what `speculative.generate` draws from scratch."""
+    """With the same seed a sampled turn draws exactly what `generation.generate` draws from scratch."""
     tparams, tcfg, dparams, dcfg = pair
     sc = SamplingConfig(temperature=0.9, top_p=0.95)
     talk = session.Session(
@@ -121,7 +121,7 @@ def test_sampled_turns_equal_sampling_from_scratch(pair):
     )
     prompts, answers, _, _ = _conversation(talk, 20, 3, 16, np.random.default_rng(2), seed_base=5)
     for turn, (prompt, answer) in enumerate(zip(prompts, answers)):
-        expected = speculative.generate(
+        expected = generation.generate(
             tparams,
             dparams,
             [prompt],
@@ -163,7 +163,7 @@ def test_the_first_turn_waits_only_for_its_own_programs(pair, compiles):
     answer = [t for piece in talk.reply(prompt, 16) for t in piece]
     talk.compiled.wait()
     assert len(compiles) - before == len(talk.programs()) == 2 + 3 + 1, compiles[before:]
-    assert answer == speculative.generate(tparams, dparams, [prompt], 16, cfg, capacity=384).tokens[0]
+    assert answer == generation.generate(tparams, dparams, [prompt], 16, cfg, capacity=384).tokens[0]
 
 
 class Gated:

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from tiny import plain_generate, tiny_draft, tiny_target
 
 from cli import plan
-from eagle_jax.decoding import programs, speculative
+from eagle_jax.decoding import generation, programs, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree
 from eagle_jax.errors import EagleError
@@ -44,7 +44,7 @@ def prompts():
 def unsharded(models, prompts):
     tcfg, tparams, dcfg, dparams = models
     return {
-        b: speculative.generate(tparams, dparams, prompts[:b], 24, speculative.DecodeConfig(tcfg, dcfg, SPEC))
+        b: generation.generate(tparams, dparams, prompts[:b], 24, speculative.DecodeConfig(tcfg, dcfg, SPEC))
         for b in (1, 8)
     }
 
@@ -54,7 +54,9 @@ def unsharded(models, prompts):
 def test_speculative_sharded_equals_unsharded(mesh_text, batch, models, prompts, unsharded):
     tcfg, tparams, dcfg, dparams = models
     mesh = sharding.make_mesh(mesh_text)
-    got = programs.generate(tparams, dparams, prompts[:batch], 24, speculative.DecodeConfig(tcfg, dcfg, SPEC), mesh)
+    got = generation.generate(
+        tparams, dparams, prompts[:batch], 24, speculative.DecodeConfig(tcfg, dcfg, SPEC), mesh=mesh
+    )
     want = unsharded[batch]
     assert got.tokens == want.tokens
     assert got.accept_lengths == want.accept_lengths
@@ -66,19 +68,19 @@ def test_sampling_on_a_mesh_equals_unsharded(models, prompts):
     the layout), and differs from another seed's."""
     tcfg, tparams, dcfg, dparams = models
     sc = SamplingConfig(1.0, top_p=0.9)
-    want = speculative.generate(tparams, dparams, prompts, 16, speculative.DecodeConfig(tcfg, dcfg, SPEC, sc), seed=4)
-    got = programs.generate(
+    want = generation.generate(tparams, dparams, prompts, 16, speculative.DecodeConfig(tcfg, dcfg, SPEC, sc), seed=4)
+    got = generation.generate(
         tparams,
         dparams,
         prompts,
         16,
         speculative.DecodeConfig(tcfg, dcfg, SPEC, sc),
-        sharding.make_mesh("tensor=4,data=2"),
         seed=4,
+        mesh=sharding.make_mesh("tensor=4,data=2"),
     )
     assert got.tokens == want.tokens and got.accept_lengths == want.accept_lengths
     assert (
-        speculative.generate(
+        generation.generate(
             tparams, dparams, prompts, 16, speculative.DecodeConfig(tcfg, dcfg, SPEC, sc), seed=5
         ).tokens
         != want.tokens
@@ -89,13 +91,13 @@ def test_plain_sharded_equals_unsharded(models, prompts):
     """Three rows on data=2 (one idle pad row), kv heads split over tensor=4."""
     tcfg, tparams, _, _ = models
     want = plain_generate(tparams, tcfg, prompts[:3], 16)
-    got = programs.generate(
+    got = generation.generate(
         tparams,
         None,
         prompts[:3],
         16,
         speculative.DecodeConfig(tcfg, None, PLAIN),
-        sharding.make_mesh("tensor=4,data=2"),
+        mesh=sharding.make_mesh("tensor=4,data=2"),
     )
     assert got.tokens == want.tokens and got.stop_reasons == want.stop_reasons
 

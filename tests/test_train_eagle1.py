@@ -15,7 +15,7 @@ import pytest
 from convdata import chain_conversations, next_token_table, write_jsonl
 from tiny import plain_generate
 
-from eagle_jax.decoding import speculative
+from eagle_jax.decoding import generation, speculative
 from eagle_jax.decoding.tree import parse_envelopes
 from eagle_jax.io import official
 from eagle_jax.training import features, loop, objective, step, trainer
@@ -141,7 +141,7 @@ def test_a_run_learns_resumes_and_exports_a_lossless_head(target_dir, conversati
     dcfg, dparams = official.load_head(out / "export", tcfg, kind="eagle1")
     prompts = [[1, 17, 40, 9], [1, 300, 12]]
     tree = parse_envelopes("5/4/1")[0]
-    result = speculative.generate(tparams, dparams, prompts, 24, speculative.DecodeConfig(tcfg, dcfg, tree))
+    result = generation.generate(tparams, dparams, prompts, 24, speculative.DecodeConfig(tcfg, dcfg, tree))
     assert result.tokens == plain_generate(tparams, tcfg, prompts, 24).tokens
     assert result.tau > 1.2  # observed 1.45: drafts accepted
 

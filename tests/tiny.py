@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle_jax.decoding import speculative
+from eagle_jax.decoding import generation, speculative
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN
 from eagle_jax.models import draft, target
@@ -105,8 +105,8 @@ def plain_generate(
     sampling: SamplingConfig = SamplingConfig(),
     **kw,
 ):
-    """Plain decoding: the engine with `tree.PLAIN` and no head (`speculative.generate`'s seed and capacity)."""
-    return speculative.generate(
+    """Plain decoding: the engine with `tree.PLAIN` and no head (`generation.generate`'s seed and capacity)."""
+    return generation.generate(
         params, None, prompts, max_new_tokens, speculative.DecodeConfig(cfg, None, PLAIN, sampling), **kw
     )
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from eagle_jax.decoding import speculative
+from eagle_jax.decoding import generation, speculative
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, envelope_from_json, envelope_json, envelope_name
 
 Envelope = DynamicTree | NoDraft
@@ -125,7 +125,7 @@ def measure(
     def run(tree: Envelope) -> tuple[int, int]:
         """(new tokens, cycles) of one generation."""
         settings, head = speculative.head_for(dataclasses.replace(cfg, tree=tree), dparams)
-        res = speculative.generate(tparams, head, prompts, new_tokens, settings)
+        res = generation.generate(tparams, head, prompts, new_tokens, settings)
         return sum(res.new_tokens), sum(res.cycles)
 
     default = candidates_for(cfg.dcfg is not None)

@@ -8,7 +8,8 @@ handed out. Its operations: `admit` a prompt into a row (an extend of the row th
 share with the prompt, or the longest prefix the prefix cache holds, `decoding.prefix`), `cycle` the live rows
 (plain decoding is the cycle with `tree.PLAIN`), `cancel` rows. A row offers its prompt to the prefix cache once
 fed, and all its tokens when it ends (copied out before the engine's next operation).
-The chat session, the server's batcher, one-shot and streamed generation drive one; none runs a program itself.
+The chat session, the server's batcher, one-shot and streamed generation (`generation`), the benchmark's runner and
+the budget's measurement drive one; none runs a program itself.
 
 A row may follow a grammar (`grammar.Matcher`, on the host beside the row): its root is drawn under the grammar's
 mask, and each cycle runs as two programs, `speculative.cycle_draft` then `speculative.cycle_verify`, with the
@@ -17,7 +18,8 @@ one program). Chains the grammar forces are drafted as the context candidates of
 first level among the tokens the grammar allows after the root.
 
 Sampling is per row (`per_row`: each admitted row's settings and seed as arrays, `decoding.rows`), or the static
-rule of the settings with the key of the seed a row is admitted with (what `speculative.generate` does).
+rule of the settings with the key of the seed rows are admitted with (`admit_many` feeds them side by side, so a
+batch draws as one: what `generation.generate` does).
 
 A failure is never silent: when a program raises (compiling or running), the state it was given is gone (its
 buffers are donated), so the engine rebuilds fresh empty rows and raises `EngineError` with the owners of the rows
@@ -45,7 +47,7 @@ from eagle_jax.decoding.emit import PAD_ID
 from eagle_jax.decoding.rows import RowControls
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig, SpecState
-from eagle_jax.decoding.tree import PLAIN, TreeConfig
+from eagle_jax.decoding.tree import PLAIN, Tree, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed, sharding
 
@@ -217,6 +219,7 @@ class Engine:
             sharding.check_mesh(mesh, tcfg, dcfg, slots)
         self.compiled = programs.Precompiled()
         self.dead = False
+        self.last_tree: Tree | None = None  # the last cycle's tree (None after a loop of cycles)
         self.rows = [Row() for _ in range(slots)]
         self.state = self._empty()
         if prefix_tokens and mesh is not None:
@@ -286,7 +289,7 @@ class Engine:
         rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
         return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
 
-    def _constrained(self, span: int, live: Sequence[int], plain: bool = False) -> SpecState:
+    def _constrained(self, span: int, live: Sequence[int], plain: bool = False) -> tuple[SpecState, Tree]:
         """One cycle of the live rows, some of which follow grammars: a plain step under the roots' masks, or the
         tree drafted (forced chains as its context candidates), masked node by node on the host, and verified
         (`plain`: with `tree.PLAIN`)."""
@@ -299,8 +302,7 @@ class Engine:
         vocab, tag = self.cfg.tcfg.vocab_size, f"{cfg.tree} rows {n} span {span}"
         if not cfg.tree.drafts:
             masks = np.stack([m.mask() if m else grammars.everything((), vocab) for m in matchers])[:, None]
-            out = self.compiled(f"cycle {tag} masked", speculative.cycle, *params, self.state, rows, masks, **static)
-            return out[0]
+            return self.compiled(f"cycle {tag} masked", speculative.cycle, *params, self.state, rows, masks, **static)
         forced = grammars.forced_chains(matchers, cfg.tree.context) if cfg.tree.context else None
         first = np.stack([m.mask() if m else grammars.everything((), vocab) for m in matchers])  # [R, W]
         first = first if cfg.tree.needs_head else None
@@ -315,24 +317,48 @@ class Engine:
                 for m, t, p in zip(matchers, tokens, parents, strict=True)
             ]
         )
-        return self.compiled(f"verify {tag}", speculative.cycle_verify, *params, state, tr, wide, masks, rows, **static)
+        state = self.compiled(
+            f"verify {tag}", speculative.cycle_verify, *params, state, tr, wide, masks, rows, **static
+        )
+        return state, tr
 
     def _feed(
-        self, slot: int, piece: Piece, limit: int, sampling: SamplingConfig | None, seed: int, logprobs: bool = False
+        self,
+        fed: dict[int, Piece],
+        limits: dict[int, int],
+        sampling: SamplingConfig | None,
+        seed: int,
+        logprobs: bool = False,
+        masks: dict[int, np.ndarray] | None = None,
     ) -> tuple:
-        """`speculative.extend`'s arguments that feed a piece of a prompt into one row."""
-        start, n, limits = (np.asarray([x], np.int32) for x in (piece.start, piece.n, limit))
-        rows = None if self.slots == 1 else np.asarray([slot], np.int32)
-        controls = RowControls.of([sampling or STATIC_SAMPLING], [seed]) if self.per_row else None
+        """`speculative.extend`'s arguments that feed pieces of prompts into rows (slot -> piece, padded to the
+        largest): those rows alone with per-row sampling, else every row (the others fed nothing), as the static
+        rule draws for every row. `logprobs`: the fed rows record theirs; `masks` (slot -> [W]): the tokens a
+        row's root may be (every token for the others; none given: no mask argument)."""
+        slots = sorted(fed) if self.per_row else list(range(self.slots))
+        size = max(p.tokens.shape[0] for p in fed.values())
+        idle = Piece(0, np.zeros(size, np.int32), np.zeros(size, np.int32), 0, False)
+        each = [fed.get(s, idle) for s in slots]
+        pad = lambda a: np.pad(a, (0, size - a.shape[0]))  # noqa: E731
+        tokens, follow = (np.stack([pad(getattr(p, f)) for p in each]) for f in ("tokens", "follow"))  # [R, C]
+        start, n = (np.asarray([getattr(p, f) for p in each], np.int32) for f in ("start", "n"))  # [R]
+        final, limit = np.asarray([p.final for p in each]), np.asarray([limits.get(s, 0) for s in slots], np.int32)
+        rows = None if len(slots) == self.slots else np.asarray(slots, np.int32)
+        settings = [sampling or STATIC_SAMPLING] * len(slots)
+        controls = RowControls.of(settings, [seed] * len(slots)) if self.per_row else None
         key = jax.random.key(0 if self.per_row else seed)  # per-row keys follow positions (`decoding.rows`)
-        fed = (start, piece.tokens[None], piece.follow[None], n, np.asarray([piece.final]), limits, key)
-        return (self.tparams, self.dparams, self.state, *fed, controls, rows, np.asarray([logprobs]))
+        recording = np.asarray([logprobs and s in fed for s in slots])  # [R]
+        args = (self.tparams, self.dparams, self.state, start, tokens, follow, n, final, limit, key, controls, rows)
+        if not masks:
+            return (*args, recording)
+        vocab = self.cfg.tcfg.vocab_size
+        return (*args, recording, np.stack([masks.get(s, grammars.everything((), vocab)) for s in slots]))  # [R, W]
 
     def _calls(self) -> list[tuple[str, Any, tuple, dict]]:
         """Every program, in the order a first answer needs them: the smallest chunk and span first."""
         feeds = [Piece(0, np.ones(c, np.int32), np.ones(c, np.int32), c, True) for c in sorted(self.chunks)]
         extends = [
-            (f"extend {p.n}", speculative.extend, self._feed(0, p, 1, None, 0), {"cfg": self.cfg}) for p in feeds
+            (f"extend {p.n}", speculative.extend, self._feed({0: p}, {0: 1}, None, 0), {"cfg": self.cfg}) for p in feeds
         ]
         cycles = [self._cycle_call(span, range(n)) for n in sorted(self.envelope) for span in self.spans]
         # a server's rows may ask for plain decoding: their cycles too (elsewhere compiled on first use)
@@ -401,29 +427,63 @@ class Engine:
         matcher) when given: its caches keep what they share with the prompt, or take the longest prefix the prefix
         cache holds, and the rest is fed in chunks. With `logprobs` (settings that record them), its steps carry its
         tokens' logprobs. `plain`: decoded without speculation (`Row.plain`). Returns the prompt tokens kept."""
+        grammar_of = {slot: grammar} if grammar is not None else None
+        return self.admit_many({slot: prompt}, max_tokens, sampling, seed, {slot: owner}, logprobs, plain, grammar_of)[
+            slot
+        ]
+
+    def admit_many(
+        self,
+        prompts: dict[int, Sequence[int]],
+        max_tokens: int,
+        sampling: SamplingConfig | None = None,
+        seed: int = 0,
+        owners: dict[int, Any] | None = None,
+        logprobs: bool = False,
+        plain: bool = False,
+        grammar_of: dict[int, grammars.Matcher] | None = None,
+    ) -> dict[int, int]:
+        """`admit` free rows (slot -> prompt, slot -> owner, slot -> grammar) at once: with the static rule their
+        chunks are fed side by side, so each row's first token is its draw in one batch (what the cycles' draws are
+        too). Returns the prompt tokens each row kept."""
         if logprobs and not self.cfg.logprobs:
             raise EagleError("this engine records no logprobs; build it with settings whose `logprobs` is > 0")
-        prompt = list(prompt)
-        limit = int(schedule.plan([len(prompt)], max_tokens, self.overhead, self.capacity).limits[0])
-        row = self.rows[slot]
-        self.rows[slot] = Row(owner, False, [], 0)
-        keep = reusable(row.cached, prompt) if self.keep_rows else 0
-        with self._failing([slot]):
+        prompts = {slot: list(p) for slot, p in prompts.items()}
+        owners, grammar_of = owners or {}, grammar_of or {}
+        sizes = schedule.plan([len(p) for p in prompts.values()], max_tokens, self.overhead, self.capacity)
+        limits = dict(zip(prompts, sizes.limits.tolist()))
+        keep = {slot: reusable(self.rows[slot].cached, p) if self.keep_rows else 0 for slot, p in prompts.items()}
+        for slot in prompts:
+            self.rows[slot] = Row(owners.get(slot), False, [], 0)
+        with self._failing(list(prompts)):
             self._offer()
-            blocks = self.index.lookup(prompt) if self.index else []
-            hit = min(len(blocks) * prefix.BLOCK, len(prompt)) - 1  # the last kept pair is read again (`reusable`)
-            if hit > keep:
-                self.state = self.compiled("copy in", prefix.copy_in, *self._copy_in_args(slot, prompt, blocks))
-                keep = hit
-            masked = () if grammar is None else (grammar.mask()[None],)  # [1, W] the root's
-            for piece in pieces(prompt, keep, self.chunks):
-                args = (*self._feed(slot, piece, limit, sampling, seed, logprobs), *masked)
-                name = f"extend {piece.tokens.shape[0]}{' masked' if masked else ''}"
-                self.state = self.compiled(name, speculative.extend, *args, cfg=self.cfg)
-            if grammar is not None:
-                grammar.advance([int(distributed.host_value(self.state.root)[slot])])
-        self.rows[slot] = Row(owner, True, prompt, 0, logprobs=logprobs, plain=plain, grammar=grammar)
-        self.unoffered.append((slot, prompt))  # rows admitted next share its prompt already
+            for slot, p in prompts.items():
+                blocks = self.index.lookup(p) if self.index else []
+                hit = min(len(blocks) * prefix.BLOCK, len(p)) - 1  # the last kept pair is read again (`reusable`)
+                if hit > keep[slot]:
+                    self.state = self.compiled("copy in", prefix.copy_in, *self._copy_in_args(slot, p, blocks))
+                    keep[slot] = hit
+            fed = {slot: pieces(p, keep[slot], self.chunks) for slot, p in prompts.items()}
+            masks = {slot: g.mask() for slot, g in grammar_of.items()}  # [W] the roots'
+            # with per-row sampling a row's chunks are fed alone (one program per chunk size)
+            groups = [{slot: f} for slot, f in fed.items()] if self.per_row else [fed]
+            for group in groups:
+                for i in range(max(map(len, group.values()))):
+                    now = {slot: f[i] for slot, f in group.items() if i < len(f)}
+                    size = max(p.tokens.shape[0] for p in now.values())
+                    allowed = {s: masks[s] for s in now if s in masks}
+                    args = self._feed(now, limits, sampling, seed, logprobs, allowed)
+                    name = f"extend {size}{' masked' if allowed else ''}"
+                    self.state = self.compiled(name, speculative.extend, *args, cfg=self.cfg)
+            if grammar_of:
+                roots = distributed.host_value(self.state.root)
+                for slot, g in grammar_of.items():
+                    g.advance([int(roots[slot])])
+        for slot, p in prompts.items():
+            self.rows[slot] = Row(
+                owners.get(slot), True, p, 0, logprobs=logprobs, plain=plain, grammar=grammar_of.get(slot)
+            )
+            self.unoffered.append((slot, p))  # rows admitted next share its prompt already
         return keep
 
     def cycle(self) -> list[Step]:
@@ -439,11 +499,11 @@ class Engine:
             needed = speculative.host_slots_needed(self.state, tree)
             span = schedule.attention_span(int(needed[live].max()), self.capacity)
             if any(self.rows[s].grammar is not None for s in live):
-                self.state = self._constrained(span, live, plain=tree == PLAIN)
+                self.state, self.last_tree = self._constrained(span, live, plain=tree == PLAIN)
             else:
                 name, fn, args, static = self._cycle_call(span, live, plain=tree == PLAIN)
                 out = self.compiled(name, fn, *args, **static)
-                self.state = out if fn is speculative.run_span else out[0]  # (state, tree) from one cycle
+                self.state, self.last_tree = (out, None) if fn is speculative.run_span else out  # (state, tree)
             counts, done, eos, tokens, sources = self._outputs()
             recorded = {s: self._logprobs(s) for s in live if self.rows[s].logprobs}
             roots = distributed.host_value(self.state.root) if any(self.rows[s].grammar for s in live) else None

@@ -1,13 +1,11 @@
-"""Generation on a device mesh (speculative, or plain: the same engine with `tree.PLAIN`).
+"""The engine's programs on a device mesh, compiled ahead of time, and the memory plan they need.
 
 Parameters, KV caches and loop state are placed by their logical axes (`sharding.LOGICAL_RULES`):
 attention heads, MLP width and vocabularies over `tensor`, batch rows over `data` (and `fsdp`),
-everything else replicated. The engine's jitted prefill and generation loop are jitted again with
-these in/out shardings, so the state keeps its layout across cycles and the loop never reshards.
+everything else replicated, so the state keeps its layout across cycles and the loop never reshards.
 The model code is unchanged: XLA's partitioner derives the collectives from the placements.
-
-Batches that `data * fsdp` does not divide are padded with idle rows (a one-token prompt and a
-zero budget: done before the first cycle) and the result drops them.
+`Precompiled` compiles the engine's programs on worker threads (and keeps them in the executable store);
+`plan_inference` compiles the sharded prefill and generation loop with abstract parameters for their memory.
 """
 
 from __future__ import annotations
@@ -17,7 +15,6 @@ import dataclasses
 import functools
 import os
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -28,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from eagle_jax.decoding import executables, speculative
 from eagle_jax.decoding.logprobs import Logprobs
 from eagle_jax.decoding.rows import RowControls
-from eagle_jax.decoding.speculative import DecodeConfig, SpecResult, SpecState
+from eagle_jax.decoding.speculative import DecodeConfig, SpecState
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.models import draft, target
@@ -37,7 +34,7 @@ from eagle_jax.models.kv_cache import CACHE_AXES, KVCache
 from eagle_jax.models.params import with_dtype
 from eagle_jax.parallel import sharding
 from eagle_jax.parallel.memory import MemoryPlan, abstract, compile_program, compiler_name, device_bytes, mesh_text
-from eagle_jax.parallel.sharding import check_mesh, data_parallelism, draft_shardings, place, target_shardings
+from eagle_jax.parallel.sharding import check_mesh, draft_shardings, target_shardings
 
 PyTree = Any
 BATCH = ("batch",)
@@ -165,6 +162,12 @@ def _compile(program: tuple) -> concurrent.futures.Future:
         return _COMPILED[program]
 
 
+def forget() -> None:
+    """Let go of the programs compiled so far (engines keep theirs): the next engine compiles its own afresh."""
+    with _COMPILED_LOCK:
+        _COMPILED.clear()
+
+
 def compiling() -> bool:
     """Whether a compilation is under way on a worker thread (a process that ends normally waits for it)."""
     with _COMPILED_LOCK:
@@ -205,73 +208,6 @@ class Precompiled:
         """Drop the compilations not yet begun (a process that ends waits for those under way only; asked for
         again, they start again); how many."""
         return sum(_compile(program).cancel() for program in self._programs.values())
-
-
-@functools.lru_cache(maxsize=16)
-def _replicator(mesh: Mesh) -> Any:
-    """Jitted identity onto every device: outputs every host can read (also across hosts)."""
-    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, sharding.partition_spec(())))
-
-
-def _pad_rows(prompts: list[list[int]], mesh: Mesh, pad_id: int) -> list[list[int]]:
-    """Append idle one-token rows until data * fsdp divides the batch."""
-    return prompts + [[pad_id]] * (-len(prompts) % data_parallelism(mesh))
-
-
-def _key(seed: int, where: NamedSharding) -> jax.Array:
-    """jax.random.key(seed) placed from host data (every host builds the same one)."""
-    return jax.random.wrap_key_data(sharding.put(np.asarray(jax.random.key_data(jax.random.key(seed))), where))
-
-
-def _put_rows(x: np.ndarray, real: int, fill: int, where: NamedSharding) -> jax.Array:
-    """Host [B, ...] input with rows >= real set to `fill`, placed by rows."""
-    x = np.array(x)
-    x[real:] = fill
-    return sharding.put(x, where)
-
-
-def generate(
-    tparams: PyTree,
-    dparams: PyTree,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    cfg: DecodeConfig,
-    mesh: Mesh | None = None,
-    seed: int = 0,
-    capacity: int | None = None,
-    on_new: Callable[[list[list[int]]], None] | None = None,
-) -> SpecResult:
-    """`speculative.generate` on one device (mesh None) or sharded on a mesh: the same tokens either way. On one
-    device, `on_new(new tokens per row)` streams: it is called as cycles are accepted. The head is used only when
-    the tree grows from it (`speculative.head_for`)."""
-    cfg, dparams = speculative.head_for(cfg, dparams)
-    args = (tparams, dparams, prompts, max_new_tokens, cfg, seed, capacity)
-    if mesh is not None:
-        return _generate_sharded(*args, mesh)
-    if on_new is None:
-        return speculative.generate(*args)
-    state = None
-    for new, _, state in speculative.stream(*args):  # noqa: B007
-        on_new(new)
-    return speculative.result(state)
-
-
-def _generate_sharded(tparams, dparams, prompts, max_new_tokens, cfg: DecodeConfig, seed, capacity, mesh):
-    """`speculative.generate` on a mesh, with parameters and state sharded."""
-    pad_id = cfg.tcfg.pad_token_id or 0
-    rows = _pad_rows(prompts, mesh, pad_id)
-    check_mesh(mesh, cfg.tcfg, cfg.dcfg, len(rows))
-    p = speculative.prepare(rows, max_new_tokens, cfg, capacity)
-    progs = spec_programs(cfg, p.capacity, mesh)
-    n = len(prompts)
-    tokens, lengths = (sharding.put(x, progs.rows) for x in (p.tokens, p.lengths))
-    limits = _put_rows(p.limits, n, 0, progs.rows)
-    key = _key(seed, progs.replicated)
-    tparams, dparams = place(tparams, progs.target), place(dparams, progs.draft)
-    state = progs.run(tparams, dparams, progs.prefill(tparams, dparams, tokens, lengths, limits, key))
-    out, counts, eos, acc = _replicator(mesh)((state.out, state.counts, state.eos, state.accept_lengths))
-    res = speculative.result(dataclasses.replace(state, out=out, counts=counts, eos=eos, accept_lengths=acc))
-    return SpecResult(res.tokens[:n], res.accept_lengths[:n], res.stop_reasons[:n])
 
 
 def plan_inference(

@@ -8,22 +8,19 @@ Every decoder (plain, speculative, on one device or a mesh) and every command si
   multiple of 128 and capped by the model's positions, unless a capacity is given;
 - a decode loop attends over the smallest span of 128 * 2^k slots (or the capacity) holding every
   running row, stepping out to a larger span, compiled once each, as the context grows
-  (`run_segments`), so a step costs what the context costs, not what the capacity costs.
+  (`engine.Engine.cycle`), so a step costs what the context costs, not what the capacity costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Sequence
-from typing import TypeVar
+from collections.abc import Sequence
 
-import jax
 import numpy as np
 
 from eagle_jax.errors import EagleError
 
-State = TypeVar("State")
 MIN_BUCKET = 16
 CAPACITY_MULTIPLE = 128
 SPAN_UNIT = 128
@@ -136,26 +133,3 @@ def all_spans(capacity: int) -> list[int]:
 def attention_span(needed: int, capacity: int) -> int:
     """Slots a decode segment attends over: the smallest of `all_spans` >= needed (else the capacity)."""
     return next((s for s in all_spans(capacity) if s >= needed), capacity)
-
-
-def live_span(needed: np.ndarray, done: np.ndarray, capacity: int) -> int:
-    """The attention span for the running rows (done [B] False) needing `needed` [B] cache slots."""
-    return attention_span(int(needed[~done].max()), capacity)
-
-
-def run_segments(
-    segment: Callable[[State, int], State], state: State, slots_needed: Callable[[State], np.ndarray], capacity: int
-) -> State:
-    """Drive a decode loop that also stops when a running row outgrows its attention span: run
-    `segment(state, span)` with the smallest span holding every running row's slots_needed(state) [B] (read
-    on the host: no small device programs to compile), again with a larger span when it stops early, until
-    every row is done."""
-    span = 0
-    while True:
-        done = np.asarray(jax.device_get(state.done))
-        if done.all():
-            return state
-        if span == capacity:
-            raise EagleError(f"a decode loop stopped with rows running and a full-capacity span ({capacity})")
-        span = live_span(slots_needed(state), done, capacity)
-        state = segment(state, span)

@@ -8,7 +8,7 @@ without `stream`, one loop of cycles (a host round trip per token costs a small 
 `warm_up` compiles exactly that set ahead of time, on worker threads (a turn waits only for the programs it needs);
 afterwards no prompt length or number of turns compiles anything.
 
-Output equals decoding the conversation from scratch (`speculative.generate` with the same tree and seed): the
+Output equals decoding the conversation from scratch (`generation.generate` with the same tree and seed): the
 caches hold the same tokens at the same positions, and each turn samples with the same keys.
 """
 

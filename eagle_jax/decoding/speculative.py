@@ -4,9 +4,9 @@ One jitted function runs a whole cycle with fixed shapes:
   draft tree (expand, rerank) -> target forward over the tree under the tree mask -> choose the
   accepted path and the bonus token (`acceptance`) -> move the accepted target KV entries to
   contiguous slots (rejected ones are dropped by length) -> feed the accepted features to the draft.
-Generation is a `lax.while_loop` over cycles with donated state, run in segments over growing
-attention spans (`schedule.run_segments`); `stream` drives the same jitted cycle from Python for
-terminal output. The compiled programs depend on the tree envelope and the sampling rule (static).
+`run_span` is a `lax.while_loop` over cycles with donated state, up to an attention span; `extend` feeds prompts
+in chunks. `engine.Engine` runs these programs (its clients: `generation`, the chat session, the server). The
+compiled programs depend on the tree envelope and the sampling rule (static).
 
 Plain decoding is the same engine with `tree.PLAIN` (a tree of the root alone) and no head: each cycle
 verifies the root, which is one decode step.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -71,6 +70,8 @@ class SpecResult:
     tokens: list[list[int]]  # new tokens per row (exactly max_new_tokens unless eos came first)
     accept_lengths: list[list[int]]  # per row, per cycle it ran
     stop_reasons: list[str]
+    prefill_s: float = 0.0  # seconds the prompts took to feed
+    decode_s: float = 0.0  # seconds the cycles took
 
     @property
     def cycles(self) -> list[int]:
@@ -609,26 +610,43 @@ def put_rows(s: SpecState, part: SpecState, rows: jax.Array) -> SpecState:
 
 def run_loop(tparams, dparams, state: SpecState, cfg: DecodeConfig, span: int | None = None) -> SpecState:
     """Cycles as one `lax.while_loop` (no host round trip per cycle) until every row is done or a
-    running row's next cycle would write past `span` cache slots (default: the whole cache)."""
+    running row's next cycle would write past `span` cache slots (default: the whole cache).
+
+    With context candidates in the tree, the cycles in which no running row has one run the tree without them
+    (`bare`: what the whole tree accepts then, the same tokens and draws) in a loop of their own, at that tree's
+    cost; the whole tree runs once each time a candidate appears (a loop run at most once: a cond whose branches
+    wrote the caches would copy them)."""
     span = kv_cache.span_of(state.target_cache, span)
 
     def go_on(s: SpecState) -> jax.Array:
         return ~jnp.all(s.done) & jnp.all(s.done | (slots_needed(s, cfg.tree) <= span))
 
-    return jax.lax.while_loop(go_on, lambda s: one_cycle(tparams, dparams, s, cfg, span)[0], state)
+    def cycles(settings: DecodeConfig):
+        return lambda s: one_cycle(tparams, dparams, s, settings, span)[0]
+
+    if not cfg.tree.context:
+        return jax.lax.while_loop(go_on, cycles(cfg), state)
+    bare = dataclasses.replace(cfg, tree=dataclasses.replace(cfg.tree, context=0))
+
+    def found(s: SpecState) -> jax.Array:
+        with jax.named_scope("context"):
+            _, valid = context.propose(
+                s.history[:, :span], s.target_cache.lengths, cfg.tree.context, cfg.tree.min_match
+            )
+        return jnp.any(valid[:, 0] & ~s.done)
+
+    def whole(c: tuple[SpecState, jax.Array]) -> tuple[SpecState, jax.Array]:
+        return cycles(cfg)(c[0]), jnp.bool_(True)
+
+    def rounds(s: SpecState) -> SpecState:
+        s = jax.lax.while_loop(lambda s: go_on(s) & ~found(s), cycles(bare), s)
+        # the whole tree once, when a candidate ended the bare cycles
+        return jax.lax.while_loop(lambda c: go_on(c[0]) & ~c[1], whole, (s, jnp.bool_(False)))[0]
+
+    return jax.lax.while_loop(go_on, rounds, state)
 
 
 run_span = jax.jit(run_loop, static_argnames=("cfg", "span"), donate_argnames=("state",))
-
-
-def run(tparams, dparams, state: SpecState, *, cfg: DecodeConfig) -> SpecState:
-    """Cycles until every row is done, in segments over growing attention spans."""
-    return schedule.run_segments(
-        lambda s, span: run_span(tparams, dparams, s, cfg=cfg, span=span),
-        state,
-        lambda s: host_slots_needed(s, cfg.tree),
-        state.target_cache.capacity,
-    )
 
 
 def prepare(
@@ -643,57 +661,3 @@ def prepare(
         cfg.tcfg.rope.max_position_embeddings,
         cfg.tcfg.pad_token_id or 0,
     )
-
-
-def init_state(tparams, dparams, prompts, max_new_tokens, cfg: DecodeConfig, seed, capacity) -> SpecState:
-    p = prepare(prompts, max_new_tokens, cfg, capacity)
-    key = jax.random.key(seed)
-    return prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, cfg=cfg, capacity=p.capacity)
-
-
-def result(state: SpecState) -> SpecResult:
-    """Per-row tokens, accept lengths and stop reasons of a finished state."""
-    out, counts, eos, acc = jax.device_get((state.out, state.counts, state.eos, state.accept_lengths))
-    return SpecResult(
-        tokens=[out[r, :n].tolist() for r, n in enumerate(counts)],
-        accept_lengths=[[int(a) for a in acc[:, r] if a >= 0] for r in range(out.shape[0])],
-        stop_reasons=["eos" if e else "length" for e in eos],
-    )
-
-
-def generate(
-    tparams,
-    dparams,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    cfg: DecodeConfig,
-    seed: int = 0,
-    capacity: int | None = None,
-) -> SpecResult:
-    """Generation of up to max_new_tokens new tokens per prompt with `cfg` (its tree `tree.PLAIN`: plain decoding),
-    on device end to end."""
-    state = init_state(tparams, dparams, prompts, max_new_tokens, cfg, seed, capacity)
-    return result(run(tparams, dparams, state, cfg=cfg))
-
-
-def stream(
-    tparams,
-    dparams,
-    prompts: list[list[int]],
-    max_new_tokens: int,
-    cfg: DecodeConfig,
-    seed: int = 0,
-    capacity: int | None = None,
-) -> Iterator[tuple[list[list[int]], Tree, SpecState]]:
-    """Drive the jitted cycle from Python; yields (new tokens per row, the cycle's tree, state)."""
-    state = init_state(tparams, dparams, prompts, max_new_tokens, cfg, seed, capacity)
-    before, done = jax.device_get((state.counts, state.done))
-    needed = host_slots_needed(state, cfg.tree)
-    while not done.all():
-        span = schedule.live_span(needed, done, state.target_cache.capacity)
-        state, tr = cycle(tparams, dparams, state, cfg=cfg, span=span)
-        counts, done = jax.device_get((state.counts, state.done))
-        needed = host_slots_needed(state, cfg.tree)
-        out = np.asarray(jax.device_get(state.out))
-        yield [out[r, before[r] : counts[r]].tolist() for r in range(len(counts))], tr, state
-        before = counts

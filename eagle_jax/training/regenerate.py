@@ -19,7 +19,7 @@ from pathlib import Path
 from jax.sharding import Mesh
 from tqdm import tqdm
 
-from eagle_jax.decoding import programs
+from eagle_jax.decoding import generation
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.speculative import DecodeConfig, SpecResult
 from eagle_jax.decoding.tree import PLAIN
@@ -48,14 +48,8 @@ class RegenerateConfig:
 def _generate(
     params, cfg: TargetConfig, prompts: list[list[int]], rc: RegenerateConfig, seed: int, mesh: Mesh | None = None
 ) -> SpecResult:
-    return programs.generate(
-        params,
-        None,
-        prompts,
-        rc.max_new_tokens,
-        DecodeConfig(cfg, None, PLAIN, rc.sampling),
-        mesh,
-        seed=seed,
+    return generation.generate(
+        params, None, prompts, rc.max_new_tokens, DecodeConfig(cfg, None, PLAIN, rc.sampling), seed=seed, mesh=mesh
     )
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from eagle_jax.decoding import speculative
+from eagle_jax.decoding import generation, speculative
 from eagle_jax.decoding.tree import DynamicTree, TreeConfig, parse_envelopes
 from eagle_jax.errors import EagleError
 from eagle_jax.io import files, loading, official, store
@@ -183,7 +183,7 @@ def measure_tau(
     tree: TreeConfig = DynamicTree(),
 ) -> float:
     """Mean tokens per cycle of greedy speculative decoding (default: EAGLE-2's dynamic tree, upstream defaults)."""
-    return speculative.generate(
+    return generation.generate(
         tparams, dparams, prompts, max_new_tokens, speculative.DecodeConfig(tcfg, dcfg, tree)
     ).tau
 
