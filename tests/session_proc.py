@@ -1,6 +1,6 @@
 """A chat session on the golden pair in its own process (`python tests/session_proc.py`), with the compilation
-cache of every command (`cli.compile_cache`), then one generation through `jax.jit` (JAX's own cache): prints both
-answers and which of the session's programs were traced and compiled."""
+cache of every command (`cli.compile_cache`), then one generation (an engine of its own): prints both answers and
+which of their programs were traced and compiled."""
 
 from __future__ import annotations
 
@@ -37,5 +37,5 @@ if __name__ == "__main__":
     talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, DynamicTree(5, 4, 1)), 256, (32,))
     talk.warm_up()
     answer = [t for chunk in talk.reply([5, 6, 7, 8, 9], 12) for t in chunk]
-    generated = generation.generate(tparams, dparams, [[5, 6, 7, 8, 9]], 6, talk.cfg).tokens[0]  # jit_run_loop
+    generated = generation.generate(tparams, dparams, [[5, 6, 7, 8, 9]], 6, talk.cfg).tokens[0]
     print(json.dumps({"answer": answer, "generated": generated, "programs": len(talk.programs()), **events}))
