@@ -214,8 +214,7 @@ def run_generation(
             capacity or s.max_len,
             m.tcfg.rope.max_position_embeddings,
         )
-    if s.constraint is not None:
-        return _run_constrained(m, prompts, s, on_new, p)
+    matchers = None if s.constraint is None else _matchers(m, s.constraint, len(prompts))
     t0 = time.perf_counter()
     with engines.failing():  # a device or compiler failure: one line
         result = generation.generate(
@@ -227,32 +226,22 @@ def run_generation(
             seed=s.seed,
             capacity=p.capacity,
             mesh=m.mesh,
-            on_new=on_new if s.stream else None,
+            on_new=on_new if s.stream or matchers else None,
+            matchers=matchers,
         )
-    if on_new is not None and not s.stream:
+    if on_new is not None and not s.stream and not matchers:
         on_new(result.tokens)
     return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
 
 
-def _run_constrained(m: Models, prompts: list[list[int]], s: Settings, on_new, p: schedule.Prompts) -> Outcome:
-    """`run_generation` under `s.constraint` (on the engine: the masks come from the host every cycle)."""
+def _matchers(m: Models, constraint: Constraint, rows: int) -> list:
+    """A fresh grammar matcher of `constraint` for each row (the masks come from the host every cycle)."""
+    if m.mesh is not None:
+        raise EagleError(f"--{constraint.kind.replace('_', '-')} runs on one device; leave --mesh out")
     grammars = Grammars(loading.load_tokenizer(m.target_dir), m.tcfg.vocab_size, m.tcfg.eos_token_ids)
-    with command.flag("--" + s.constraint.kind.replace("_", "-")):  # --json-schema, --regex or --choice
-        grammars.check(s.constraint)
-    t0 = time.perf_counter()
-    with engines.failing():
-        result = generation.generate(
-            m.tparams,
-            m.dparams,
-            prompts,
-            s.max_new_tokens,
-            s.decode,
-            seed=s.seed,
-            capacity=p.capacity,
-            on_new=on_new,
-            matchers=[grammars.matcher(s.constraint) for _ in prompts],
-        )
-    return Outcome(result, [len(x) for x in prompts], int(p.limits.max()), p.capacity, time.perf_counter() - t0)
+    with command.flag("--" + constraint.kind.replace("_", "-")):  # --json-schema, --regex or --choice
+        grammars.check(constraint)
+    return [grammars.matcher(constraint) for _ in range(rows)]
 
 
 def generate_timed(m: Models, prompts: list[list[int]], s: Settings, on_new, capacity: int | None = None) -> Outcome:
