@@ -13,6 +13,7 @@ os.environ.setdefault(
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["EAGLE_JAX_CACHE"] = tempfile.mkdtemp(prefix="eagle-jax-cache-")  # measured budgets stay out of $HOME
+os.environ.setdefault("EAGLE_JAX_COMPILE_WORKERS", "1")  # XLA:CPU aborted compiling two programs at once in a worker
 os.environ["EAGLE_JAX_COMPILE_CACHE"] = "0"  # no run depends on another; tests/test_compile_cache.py turns it on
 
 from pathlib import Path  # noqa: E402

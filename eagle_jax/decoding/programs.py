@@ -120,8 +120,9 @@ def spec_programs(cfg: DecodeConfig, capacity: int, mesh: Mesh) -> SpecPrograms:
 
 # Programs compiled ahead of time: lowered on arguments shaped like the real ones and compiled on worker threads,
 # so nothing runs to compile them, several compile at once (XLA compiles a program on one core), and a program a
-# caller needs first is not held up by the rest. The executable store (`executables`) serves a second start.
-COMPILE_WORKERS = min(4, os.cpu_count() or 1)
+# caller needs first is not held up by the rest (`EAGLE_JAX_COMPILE_WORKERS` at once). The executable store
+# (`executables`) serves a second start.
+COMPILE_WORKERS = int(os.environ.get("EAGLE_JAX_COMPILE_WORKERS") or min(4, os.cpu_count() or 1))
 _COMPILER = concurrent.futures.ThreadPoolExecutor(COMPILE_WORKERS, thread_name_prefix="eagle-jax-compile")
 _COMPILED: dict[tuple, concurrent.futures.Future] = {}
 _COMPILED_LOCK = threading.Lock()
