@@ -172,8 +172,8 @@ def test_a_context_loop_runs_the_whole_tree_only_when_a_candidate_exists(monkeyp
     ran = []  # per cycle run: whether its tree had the context branch
     real = speculative.one_cycle
 
-    def counted(tparams, dparams, s, cfg, span):
-        state, tr = real(tparams, dparams, s, cfg, span)
+    def counted(tparams, dparams, s, cfg, span, masks=None):
+        state, tr = real(tparams, dparams, s, cfg, span, masks)
         jax.debug.callback(lambda _: ran.append(bool(cfg.tree.context)), state.cycle)
         return state, tr
 

@@ -277,5 +277,5 @@ def test_no_recompilation_within_bucket(golden_target, compile_log):
     plain_generate(params, cfg, [prompt(27), prompt(31)], 8)  # new lengths, same bucket
     plain_generate(params, cfg, [prompt(17), prompt(30)], 60, seed=3)  # more decode steps, new seed
     assert compile_log == []
-    plain_generate(params, cfg, [prompt(40), prompt(18)], 8)  # bucket 48: compiles (the counter works)
-    assert any("prefill" in name for name in compile_log)
+    plain_generate(params, cfg, [prompt(200), prompt(18)], 8)  # a larger cache: compiles (the counter works)
+    assert compile_log, "a larger cache compiles"
