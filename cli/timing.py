@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from eagle_jax.decoding import generation, schedule, speculative
+from eagle_jax.decoding.grammar import Constraint, GrammarError, Grammars
 from eagle_jax.decoding.sampling import SamplingConfig
 from eagle_jax.decoding.tree import PLAIN, TreeConfig
 from eagle_jax.errors import EagleError
@@ -53,6 +54,11 @@ class Runner:
         """The target's tokenizer with a chat template (loaded when first needed: token-id prompts need none)."""
         return data.chat_tokenizer(self.paths[0], self.chat_template)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The target's tokenizer prepared for grammars (made when a question first has a constraint)."""
+        return Grammars(self.tokenizer, self.tcfg.vocab_size, self.tcfg.eos_token_ids)
+
     @property
     def models(self) -> tuple:
         return self.tcfg, self.tparams, self.dcfg, self.dparams
@@ -78,19 +84,35 @@ class Runner:
         """The settings and head a run with `tree` takes (`speculative.head_for`)."""
         return speculative.head_for(speculative.DecodeConfig(self.tcfg, self.dcfg, tree, self.sampling), self.dparams)
 
-    def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
-        return self._run(PLAIN, prompts, max_new_tokens)
+    def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None, constraints=None) -> dict:
+        return self._run(PLAIN, prompts, max_new_tokens, constraints)
 
-    def speculative(self, prompts: list[list[int]], max_new_tokens: int | None = None) -> dict:
-        return self._run(self.tree, prompts, max_new_tokens)
+    def speculative(self, prompts: list[list[int]], max_new_tokens: int | None = None, constraints=None) -> dict:
+        return self._run(self.tree, prompts, max_new_tokens, constraints)
 
-    def _run(self, tree: TreeConfig, prompts: list[list[int]], max_new_tokens: int | None) -> dict:
+    def _matchers(self, constraints: list[Constraint | None] | None) -> list | None:
+        """A fresh matcher per constrained row (None: free text), or None when no row has a constraint."""
+        if not constraints or not any(constraints):
+            return None
+        return [None if c is None else self.grammars.matcher(c) for c in constraints]
+
+    def _run(
+        self,
+        tree: TreeConfig,
+        prompts: list[list[int]],
+        max_new_tokens: int | None,
+        constraints: list[Constraint | None] | None = None,
+    ) -> dict:
         """Prefill, then the cycles with `tree`, each timed (in the speculative side's cache layout): an engine's
-        on-device loops (`generation.generate`)."""
+        on-device loops (`generation.generate`), or its cycles one by one when a row follows a grammar (the host
+        masks each cycle)."""
         max_new_tokens = max_new_tokens or self.max_new_tokens
         p = self.prepare(prompts, max_new_tokens)
         cfg, head = self._settings(tree)
-        res = generation.generate(self.tparams, head, prompts, max_new_tokens, cfg, self.seed, p.capacity)
+        matchers = self._matchers(constraints)
+        res = generation.generate(
+            self.tparams, head, prompts, max_new_tokens, cfg, self.seed, p.capacity, matchers=matchers
+        )
         return {
             "tokens": res.tokens,
             "accept_lengths": res.accept_lengths,
@@ -100,22 +122,41 @@ class Runner:
             "cycles": max(res.cycles),  # of the batch: every row is computed until the last is done
         }
 
-    def warm(self, prompts: list[list[int]]) -> None:
+    def warm(self, prompts: list[list[int]], constraints: list[Constraint | None] | None = None) -> None:
         """Compile both decoders' programs for the batch's cache layout (every chunk size and attention span: the
-        engine's warm-up) and run a short generation through them, so that the timed runs compile nothing."""
-        shape = (len(prompts), self.prepare(prompts, self.max_new_tokens).capacity)
+        engine's warm-up) and run a short generation through them (under the rows' grammars: the masked cycle's
+        programs), so that the timed runs compile nothing."""
+        matchers = self._matchers(constraints)
+        shape = (len(prompts), self.prepare(prompts, self.max_new_tokens).capacity, matchers is not None)
         if shape in self._warm:
             return
         self._warm = set()
         for tree in dict.fromkeys((PLAIN, self.tree)):
             cfg, head = self._settings(tree)
             generation.engine_for(self.tparams, head, prompts, self.max_new_tokens, cfg, shape[1]).warm_up()
-            generation.generate(self.tparams, head, prompts, 2, cfg, self.seed, shape[1])
+            generation.generate(
+                self.tparams, head, prompts, 2, cfg, self.seed, shape[1], matchers=self._matchers(constraints)
+            )
         self._warm.add(shape)
 
 
+CONSTRAINTS = {"schema": Constraint.json_schema, "regex": Constraint.regex, "choice": Constraint.choice}
+
+
+def _constraint(q: dict, where: str) -> Constraint | None:
+    """A question's constraint: its `schema` (a JSON schema), `regex` or `choice` (a list of strings), or None."""
+    given = [k for k in CONSTRAINTS if k in q]
+    if len(given) > 1:
+        raise EagleError(f"{where}: one constraint per question, not {' and '.join(given)}")
+    try:
+        return CONSTRAINTS[given[0]](q[given[0]]) if given else None
+    except (GrammarError, TypeError) as exc:
+        raise EagleError(f"{where}: bad {given[0]}: {exc}") from None
+
+
 def read_questions(path: Path, limit: int | None) -> list[dict]:
-    """The first `limit` (all when None) questions of a JSONL file: {question_id, category, turns}."""
+    """The first `limit` (all when None) questions of a JSONL file: {question_id, category, turns, constraint};
+    a question's every turn follows its `schema`, `regex` or `choice` when it has one (`constraint`: else None)."""
     if not path.is_file():
         raise EagleError(f"{path}: question file not found")
     out = []
@@ -130,7 +171,12 @@ def read_questions(path: Path, limit: int | None) -> list[dict]:
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
             raise EagleError(f"{path}:{n}: expected an object with 'turns' (a non-empty list of strings)")
         out.append(
-            {"question_id": q.get("question_id", n), "category": str(q.get("category") or path.stem), "turns": turns}
+            {
+                "question_id": q.get("question_id", n),
+                "category": str(q.get("category") or path.stem),
+                "turns": turns,
+                "constraint": _constraint(q, f"{path}:{n}"),
+            }
         )
         if limit is not None and len(out) >= limit:
             break

@@ -258,6 +258,8 @@ def run_benchmark(args, log=print) -> dict:
     records: list[dict] = []
     timings: dict[int, dict] = {}
     questions = [(name, q) for name, qs in sets.items() for q in qs]
+    for constraint in dict.fromkeys(q["constraint"] for _, q in questions if q["constraint"]):
+        runner.grammars.check(constraint)  # a bad schema is refused before any timing
     bar = tqdm(total=sum(len(q["turns"]) for _, q in questions), unit="turn", file=sys.stderr, disable=args.quiet)
     for start in range(0, len(questions), args.batch):
         group = questions[start : start + args.batch]
@@ -267,10 +269,11 @@ def run_benchmark(args, log=print) -> dict:
             for i in rows:
                 histories[i].append({"role": "user", "content": group[i][1]["turns"][turn]})
             prompts = [runner.prompt(histories[i]) for i in rows]
-            runner.warm(prompts)
+            constraints = [group[i][1]["constraint"] for i in rows]
+            runner.warm(prompts, constraints)
             bid = len(timings)
             first, second = (runner.speculative, runner.plain) if bid % 2 == 0 else (runner.plain, runner.speculative)
-            out = {first.__name__: first(prompts), second.__name__: second(prompts)}
+            out = {side.__name__: side(prompts, None, constraints) for side in (first, second)}
             spec, base = out["speculative"], out["plain"]
             timings[bid] = {
                 side: {
@@ -292,6 +295,7 @@ def run_benchmark(args, log=print) -> dict:
                         "spec": {"tokens": spec["tokens"][j], "accept_lengths": spec["accept_lengths"][j]},
                         "plain": {"tokens": base["tokens"][j]},
                         "mismatch": greedy and spec["tokens"][j] != base["tokens"][j],
+                        "constraint": constraints[j] and constraints[j].kind,
                     }
                 )
                 histories[i].append({"role": "assistant", "content": runner.decode(base["tokens"][j])})
@@ -335,6 +339,7 @@ def run_benchmark(args, log=print) -> dict:
                 "turn": r["turn"],
                 "answer": runner.decode(r["plain"]["tokens"]),
                 "mismatch": r["mismatch"],
+                "constraint": r["constraint"],
             }
             for r in records
         ]

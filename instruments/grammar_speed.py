@@ -22,8 +22,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import jsonschema
 
+from cli.timing import read_questions
 from eagle_jax.decoding.engine import Engine
-from eagle_jax.decoding.grammar import Constraint, Grammars, Matcher
+from eagle_jax.decoding.grammar import Grammars, Matcher
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, DynamicTree, NoDraft, TreeConfig, envelope_name
 from eagle_jax.io import loading
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     grammars = Grammars(tok, tcfg.vocab_size, tcfg.eos_token_ids)
     prepare_s = time.perf_counter() - t0
-    items = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
-    prompts = [loading.encode_chat(tok, [{"role": "user", "content": it["prompt"]}]) for it in items]
-    constraints = [Constraint.json_schema(it["schema"]) for it in items]
+    items = read_questions(Path(args.prompts), None)
+    prompts = [loading.encode_chat(tok, [{"role": "user", "content": it["turns"][0]}]) for it in items]
+    constraints = [it["constraint"] for it in items]
     t0 = time.perf_counter()
     for c in constraints:
         grammars.check(c)
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         out = {"tokens": [], "seconds": 0.0, "cycles": 0, "host_s": 0.0, "valid": 0}
         out |= {"forced": 0, "context": 0, "head": 0}
         print(f"{envelope_name(tree)} {'constrained' if constrained else 'free'}", file=sys.stderr, flush=True)
-        for prompt, c, item in list(zip(prompts, constraints, items, strict=True))[:limit]:
+        for prompt, c in list(zip(prompts, constraints, strict=True))[:limit]:
             with Probe() as probe:
                 t0 = time.perf_counter()
                 matcher = grammars.matcher(c) if constrained else None
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
                     out[k] += v
             if constrained and finish == "stop":
                 try:
-                    jsonschema.validate(json.loads(tok.decode(tokens[:-1])), item["schema"])
+                    jsonschema.validate(json.loads(tok.decode(tokens[:-1])), json.loads(c.text))
                     out["valid"] += 1
                 except (ValueError, jsonschema.ValidationError):
                     pass

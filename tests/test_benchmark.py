@@ -194,6 +194,33 @@ def test_warm_up_compiles_every_span(golden_with_template):
     assert set(programs._COMPILED) == before
 
 
+def test_questions_with_schemas_regexes_and_choices_are_answered_under_them(tmp_path):
+    """A question's `schema`, `regex` or `choice` constrains both decoders' answers to it (on the demo pair, whose
+    tokenizer llguidance reads): the answers follow it and speculation changes none."""
+    from infer import benchmark
+
+    q = tmp_path / "q.jsonl"
+    lines = [
+        {"question_id": 1, "turns": ["Is tea hot?"], "choice": ["yes, it is", "no"]},
+        {"question_id": 2, "turns": ["A number?"], "regex": "[0-9]{3}"},
+        {"question_id": 3, "turns": ["Name a drink."], "schema": {"type": "object", "properties": {
+            "drink": {"enum": ["tea", "coffee"]}}, "required": ["drink"], "additionalProperties": False}},
+        {"question_id": 4, "turns": ["Say something."]},
+    ]  # fmt: skip
+    q.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "r.json"
+    args = ["--questions", q, "--max-new-tokens", 16, "--target", DEMO / "target", "--draft", DEMO / "eagle3"]
+    args += ["--total-tokens", 8, "--depth", 3, "--tree-top-k", 2, "--context", 3, "--batch", 2, "--json", out]
+    benchmark.main([*map(str, args), "--quiet", "--save-outputs"])
+    r = json.loads(out.read_text())
+    assert r["mismatches"] == 0 and r["turns"] == 4
+    answers = {o["question_id"]: o for o in r["outputs"]}
+    assert [answers[i]["constraint"] for i in (1, 2, 3, 4)] == ["choice", "regex", "json_schema", None]
+    assert answers[1]["answer"] in ("yes, it is", "no")
+    assert len(answers[2]["answer"]) == 3 and answers[2]["answer"].isdigit()
+    assert json.loads(answers[3]["answer"]) in ({"drink": "tea"}, {"drink": "coffee"})
+
+
 def test_read_questions_errors(tmp_path):
     from cli.timing import read_questions
     from eagle_jax.errors import EagleError
@@ -204,6 +231,15 @@ def test_read_questions_errors(tmp_path):
         read_questions(bad, None)
     with pytest.raises(EagleError, match="not found"):
         read_questions(tmp_path / "missing.jsonl", None)
+    for line, message in (
+        ({"turns": ["x"], "schema": [1]}, r"bad\.jsonl:1: bad schema: a JSON schema must be an object"),
+        ({"turns": ["x"], "regex": "("}, r"bad\.jsonl:1: bad regex: invalid regex"),
+        ({"turns": ["x"], "choice": "ab"}, r"bad\.jsonl:1: bad choice: choice must be a non-empty list"),
+        ({"turns": ["x"], "regex": "a", "choice": ["a"]}, r"bad\.jsonl:1: one constraint per question"),
+    ):
+        bad.write_text(json.dumps(line) + "\n")
+        with pytest.raises(EagleError, match=message):
+            read_questions(bad, None)
 
 
 def test_demo_pair_lossless():

@@ -65,7 +65,7 @@ class Constraint:
 
     @classmethod
     def choice(cls, choices: Sequence[str]) -> Constraint:
-        if not choices or not all(isinstance(c, str) and c for c in choices):
+        if isinstance(choices, str) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise GrammarError("choice must be a non-empty list of non-empty strings")
         return cls("choice", json.dumps(list(choices)))
 
