@@ -1,19 +1,21 @@
 """Structured output's speed: constrained speculative vs constrained plain decoding, and the masks' cost.
 
-Over the extraction prompts with JSON schemas (data/grammar/extraction.jsonl, in the chat template), batch 1,
-greedy, on the engine, after an untimed answer to the first prompt (compilation): for each envelope, constrained
-speculative decoding against constrained plain decoding (tokens/s ratio, mismatching answers), constrained plain
-against unconstrained plain decoding per token (the masks' cost), tau split by where the accepted drafts came from
-(forced chains, context candidates, the head's tree), and the host's share of a cycle (masks and forced chains).
+Over the extraction prompts with JSON schemas (data/grammar/extraction.jsonl, in the chat template), in batches
+of `--batch` rows (default 1), greedy, on the engine, after an untimed first batch (compilation): for each
+envelope, constrained speculative decoding against constrained plain decoding (tokens/s ratio, mismatching
+answers), constrained plain against unconstrained plain decoding per token (the masks' cost), tau split by where
+the accepted drafts came from (forced chains, context candidates, the head's tree), and the host's share of a
+cycle (masks and forced chains).
 Prints a markdown table and writes JSON.
 
     python -m instruments.grammar_speed --target ~/.cache/eagle-jax/smollm2 --draft demo/smollm2-eagle3 \
-        --out results/grammar
+        --out results/grammar [--batch 4]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
@@ -36,7 +38,9 @@ class Probe:
     """Counts the host's grammar work and records each cycle's tree and forced chain (wrapping `Matcher`)."""
 
     def __init__(self):
-        self.host_s, self.trees, self.forced = 0.0, [], []
+        self.host_s = 0.0
+        self.trees: dict[int, list] = collections.defaultdict(list)  # id(matcher) -> each cycle's (tokens, parents)
+        self.forced: dict[int, list] = collections.defaultdict(list)  # id(matcher) -> whether it forced a chain
         self._masks, self._forced = Matcher.tree_masks, Matcher.forced
 
     def __enter__(self):
@@ -46,14 +50,14 @@ class Probe:
             t0 = time.perf_counter()
             out = probe._masks(m, tokens, parents)
             probe.host_s += time.perf_counter() - t0
-            probe.trees.append((tokens, parents))
+            probe.trees[id(m)].append((tokens, parents))
             return out
 
         def forced(m, k):
             t0 = time.perf_counter()
             out = probe._forced(m, k)
             probe.host_s += time.perf_counter() - t0
-            probe.forced.append(len(out) > 0)
+            probe.forced[id(m)].append(len(out) > 0)
             return out
 
         Matcher.tree_masks, Matcher.forced = tree_masks, forced
@@ -63,22 +67,24 @@ class Probe:
         Matcher.tree_masks, Matcher.forced = self._masks, self._forced
 
 
-def answer(engine: Engine, prompt: list[int], max_tokens: int, matcher: Matcher | None) -> tuple[list[list[int]], str]:
-    """The tokens of each cycle and the finish of one answer."""
-    engine.admit(0, prompt, max_tokens, grammar=matcher)
-    cycles, finish = [], None
+def answers(
+    engine: Engine, prompts: list[list[int]], max_tokens: int, matchers: list[Matcher | None]
+) -> list[tuple[list[list[int]], str]]:
+    """The tokens of each cycle and the finish of each row's answer, the rows decoded side by side."""
+    engine.admit_many(dict(enumerate(prompts)), max_tokens, grammar_of={i: m for i, m in enumerate(matchers) if m})
+    out: list[tuple[list[list[int]], str]] = [([], "length") for _ in prompts]
     while engine.live:
         for step in engine.cycle():
-            cycles.append(step.tokens)
-            finish = step.finish
-    return cycles, finish
+            out[step.slot][0].append(step.tokens)
+            out[step.slot] = (out[step.slot][0], step.finish or out[step.slot][1])
+    return out
 
 
-def sources(cycles: list[list[int]], probe: Probe, tree: TreeConfig) -> dict[str, int]:
+def sources(cycles: list[list[int]], trees: list, forced_at: list, tree: TreeConfig) -> dict[str, int]:
     """Accepted drafts by origin: a head node (index < head_nodes), else a candidate slot holding a forced chain
     (when the grammar forced one that cycle) or a context candidate."""
     counts = {"forced": 0, "context": 0, "head": 0}
-    for i, ((tokens, parents), forced) in enumerate(zip(probe.trees, probe.forced, strict=True)):
+    for i, ((tokens, parents), forced) in enumerate(zip(trees, forced_at, strict=True)):
         node = 0
         for token in cycles[i][1:]:  # the cycle's accepted drafts (after its root)
             kids = [j for j in range(1, len(tokens)) if parents[j] == node and tokens[j] == token]
@@ -95,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--draft", required=True)
     ap.add_argument("--prompts", default="data/grammar/extraction.jsonl")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=1, help="rows decoded side by side (default 1)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     target_dir = Path(args.target).expanduser()
@@ -111,34 +118,39 @@ def main(argv: list[str] | None = None) -> None:
     for c in constraints:
         grammars.check(c)
     compile_ms = (time.perf_counter() - t0) / len(constraints) * 1e3
-    engines = {PLAIN: Engine(tparams, None, DecodeConfig(tcfg), 1, 512)}
-    engines |= {e: Engine(tparams, dparams if e.needs_head else None, DecodeConfig(tcfg, dcfg, e), 1, 512)
+    engines = {PLAIN: Engine(tparams, None, DecodeConfig(tcfg), args.batch, 512)}
+    engines |= {e: Engine(tparams, dparams if e.needs_head else None, DecodeConfig(tcfg, dcfg, e), args.batch, 512)
                 for e in ENVELOPES}  # fmt: skip
+    n = len(prompts)  # batches of args.batch prompts, the last one filled from the first prompts
+    batches = [[(i + k) % n for k in range(args.batch)] for i in range(0, n, args.batch)]
 
     def run(tree: TreeConfig, constrained: bool, limit: int | None = None) -> dict:
-        """One pass over the (first `limit`) prompts: tokens, seconds, cycles, drafts by origin, host seconds."""
-        out = {"tokens": [], "seconds": 0.0, "cycles": 0, "host_s": 0.0, "valid": 0}
+        """One pass over the (first `limit`) batches: tokens, seconds, cycles (per row and per batch), drafts by
+        origin, host seconds."""
+        out = {"tokens": [], "seconds": 0.0, "cycles": 0, "batch_cycles": 0, "host_s": 0.0, "valid": 0}
         out |= {"forced": 0, "context": 0, "head": 0}
         print(f"{envelope_name(tree)} {'constrained' if constrained else 'free'}", file=sys.stderr, flush=True)
-        for prompt, c in list(zip(prompts, constraints, strict=True))[:limit]:
+        for batch in batches[:limit]:
             with Probe() as probe:
                 t0 = time.perf_counter()
-                matcher = grammars.matcher(c) if constrained else None
-                cycles, finish = answer(engines[tree], prompt, args.max_tokens, matcher)
+                matchers = [grammars.matcher(constraints[i]) if constrained else None for i in batch]
+                rows = answers(engines[tree], [prompts[i] for i in batch], args.max_tokens, matchers)
                 out["seconds"] += time.perf_counter() - t0
-            tokens = [t for cycle in cycles for t in cycle]
-            out["tokens"].append(tokens)
-            out["cycles"] += len(cycles)
             out["host_s"] += probe.host_s
-            if constrained and tree.drafts:
-                for k, v in sources(cycles, probe, tree).items():
-                    out[k] += v
-            if constrained and finish == "stop":
-                try:
-                    jsonschema.validate(json.loads(tok.decode(tokens[:-1])), json.loads(c.text))
-                    out["valid"] += 1
-                except (ValueError, jsonschema.ValidationError):
-                    pass
+            out["batch_cycles"] += max(len(cycles) for cycles, _ in rows)
+            for i, m, (cycles, finish) in zip(batch, matchers, rows, strict=True):
+                tokens = [t for cycle in cycles for t in cycle]
+                out["tokens"].append(tokens)
+                out["cycles"] += len(cycles)
+                if constrained and tree.drafts:
+                    for k, v in sources(cycles, probe.trees[id(m)], probe.forced[id(m)], tree).items():
+                        out[k] += v
+                if constrained and finish == "stop":
+                    try:
+                        jsonschema.validate(json.loads(tok.decode(tokens[:-1])), json.loads(constraints[i].text))
+                        out["valid"] += 1
+                    except (ValueError, jsonschema.ValidationError):
+                        pass
         return out
 
     settings = [(PLAIN, False), (PLAIN, True), *((e, True) for e in ENVELOPES)]
@@ -160,13 +172,16 @@ def main(argv: list[str] | None = None) -> None:
                 "tau_forced": r["forced"] / r["cycles"],
                 "tau_context": r["context"] / r["cycles"],
                 "tau_head": r["head"] / r["cycles"],
-                "host_ms_per_cycle": r["host_s"] / r["cycles"] * 1e3,
-                "cycle_ms": r["seconds"] / r["cycles"] * 1e3,
+                "host_ms_per_cycle": r["host_s"] / r["batch_cycles"] * 1e3,
+                "cycle_ms": r["seconds"] / r["batch_cycles"] * 1e3,
                 "valid_answers": r["valid"],
             }
         )
+    answered = len(plain["tokens"])  # prompts, and repeats filling the last batch
     doc = {
+        "batch": args.batch,
         "prompts": len(prompts),
+        "answers": answered,
         "tokens_constrained_plain": sum(map(len, plain["tokens"])),
         "constrained_plain_vs_free_plain_per_token": rate(plain) / rate(free),
         "valid_answers_constrained_plain": plain["valid"],
@@ -175,8 +190,8 @@ def main(argv: list[str] | None = None) -> None:
         "envelopes": rows,
     }
     print(
-        f"{len(prompts)} prompts, {doc['tokens_constrained_plain']} tokens (constrained plain, "
-        f"{plain['valid']}/{len(prompts)} valid); constrained plain / free plain per token: "
+        f"batch {args.batch}: {answered} answers to {len(prompts)} prompts, {doc['tokens_constrained_plain']} tokens "
+        f"(constrained plain, {plain['valid']}/{answered} valid); constrained plain / free plain per token: "
         f"{doc['constrained_plain_vs_free_plain_per_token']:.2f}x; tokenizer prepared in {prepare_s:.2f} s, "
         f"a schema compiles in {compile_ms:.1f} ms\n"
     )
@@ -187,11 +202,12 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"| {r['envelope']} | {r['speedup_vs_constrained_plain']:.2f}x | {r['mismatching_answers']} "
             f"| {r['tau']:.2f} | {r['tau_forced']:.2f} | {r['tau_context']:.2f} | {r['tau_head']:.2f} "
-            f"| {r['host_ms_per_cycle']:.2f} | {r['cycle_ms']:.1f} | {r['valid_answers']}/{len(prompts)} |"
+            f"| {r['host_ms_per_cycle']:.2f} | {r['cycle_ms']:.1f} | {r['valid_answers']}/{answered} |"
         )
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "grammar_speed.json").write_text(json.dumps(doc, indent=1) + "\n")
+        name = "grammar_speed.json" if args.batch == 1 else f"grammar_speed_b{args.batch}.json"
+        (Path(args.out) / name).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -375,8 +375,6 @@ def test_profile_names_where_the_cycle_spends_its_time(tmp_path, capsys):
 # timings on a shared machine cannot. (Writing each cycle's tokens into the rows' history, which context drafts
 # read, took it from 519 ops and 19 copies.)
 CYCLE_OPS, CYCLE_COPIES = 528, 23
-# conftest's faster-compiling XLA:CPU settings undone, so that the census is that of the cycle users run
-PRODUCT_CODEGEN = {"xla_cpu_use_fusion_emitters": True, "xla_llvm_disable_expensive_passes": False}
 
 
 def _compiled_cycle(golden_dir, golden_target, tree):
@@ -392,7 +390,7 @@ def _compiled_cycle(golden_dir, golden_target, tree):
     key = jax.random.key(0)
     state = speculative.prefill(tparams, dparams, p.tokens, p.lengths, p.limits, key, cfg=cfg, capacity=p.capacity)
     lowered = speculative.run_span.lower(tparams, dparams, state, cfg=cfg, span=p.capacity)
-    compiled = lowered.compile(compiler_options=PRODUCT_CODEGEN)
+    compiled = lowered.compile()
     return compiled, "f32[" + ",".join(map(str, state.target_cache.k.shape)) + "]"
 
 
