@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cli import command, demo, envelope, generation, models
 from eagle_jax.decoding import session
+from eagle_jax.decoding.grammar import Constraint, Grammars, Matcher
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.decoding.tree import PLAIN, NoDraft
 from eagle_jax.errors import EagleError
@@ -32,12 +34,25 @@ TYPOS = (
     "Univercity of Porto."
 )
 QUESTION = "What are some tips for writing a good resume?"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "job": {"type": "string"},
+        "city": {"type": "string"},
+        "languages": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["name", "age", "job", "city", "languages"],
+    "additionalProperties": False,
+}
 
 
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str  # what it shows
     turns: tuple[str, ...]  # user turns; every turn is answered, the last one is shown and timed
+    schema: dict | None = None  # a JSON schema every answer follows (structured output)
 
 
 CASES = (
@@ -47,7 +62,11 @@ CASES = (
         (QUESTION, "Write your answer again, word for word."),
     ),
     Case("a text to correct (the answer copies it)", (f"Fix the spelling in this text: {TYPOS}",)),
-    # structured output (an extraction constrained to a JSON schema) belongs here once decoding can constrain it
+    Case(
+        "structured output: JSON under a schema (the grammar drafts its keys and punctuation)",
+        ("Extract the person as JSON: Maria Lopez, 34, is a nurse from Valencia who speaks Spanish and English.",),
+        PERSON,
+    ),
 )
 
 
@@ -70,33 +89,56 @@ def pick_tree(m: models.Models):
     return (tree, None) if tree.drafts else (FALLBACK, "the measured budget prefers plain decoding here")
 
 
-def answer(talk: session.Session, prompt: list[int], max_new: int) -> tuple[list[int], float]:
-    """One turn: its tokens and its decoding tokens/s (the prompt's prefill, the same for both modes, left out)."""
-    for _ in talk.reply(prompt, max_new):
+def answer(talk: session.Session, prompt: list[int], max_new: int, grammar: Matcher | None) -> tuple[list[int], float]:
+    """One turn (following `grammar` when given): its tokens and its decoding tokens/s (the prompt's prefill, the
+    same for both modes, left out)."""
+    for _ in talk.reply(prompt, max_new, grammar=grammar):
         pass
     return talk.last.tokens, len(talk.last.tokens) / talk.last.decode_s
 
 
-def timed(spec: session.Session, plain: session.Session, prompt: list[int], max_new: int) -> tuple:
+def timed(
+    spec: session.Session,
+    plain: session.Session,
+    prompt: list[int],
+    max_new: int,
+    grammar: Callable[[], Matcher | None],
+) -> tuple:
     """Both answers and each mode's faster run of ROUNDS, in alternating order (a neighbour's load spike lands on
-    one run, not on one mode): (speculative tokens, its tokens/s, plain tokens, its tokens/s)."""
+    one run, not on one mode), each under a fresh `grammar()`: (speculative tokens, its tokens/s, plain tokens,
+    its tokens/s)."""
     runs = {id(spec): [], id(plain): []}
     for i in range(ROUNDS):
         for talk in (spec, plain) if i % 2 == 0 else (plain, spec):
-            runs[id(talk)].append(answer(talk, prompt, max_new))
+            runs[id(talk)].append(answer(talk, prompt, max_new, grammar()))
     (tokens, _), (base, _) = runs[id(spec)][0], runs[id(plain)][0]
     return tokens, max(r for _, r in runs[id(spec)]), base, max(r for _, r in runs[id(plain)])
 
 
-def run_case(case: Case, spec: session.Session, plain: session.Session, tok, max_new: int) -> bool:
+def parses(text: str, max_new: int) -> str:
+    """Whether a structured answer parses as JSON (it follows its schema by construction when it ended)."""
+    try:
+        json.loads(text)
+    except ValueError:
+        return f"unfinished within {max_new} tokens (a longer --max-new-tokens finishes it)"
+    return "valid JSON under its schema"
+
+
+def run_case(case: Case, spec: session.Session, plain: session.Session, tok, max_new: int, grammars: Grammars) -> bool:
     """Answer the case's turns with both sessions; show the last answer, both speeds, and whether they are identical."""
     history: list[dict[str, str]] = []
+
+    def grammar() -> Matcher | None:  # a fresh matcher for each answer
+        return None if case.schema is None else grammars.matcher(Constraint.json_schema(case.schema))
+
     for text in case.turns:
         history.append({"role": "user", "content": text})
         prompt = loading.encode_chat(tok, history, True)
-        tokens, spec_rate, base, plain_rate = timed(spec, plain, prompt, max_new)
+        tokens, spec_rate, base, plain_rate = timed(spec, plain, prompt, max_new, grammar)
         history.append({"role": "assistant", "content": tok.decode(tokens, skip_special_tokens=True)})
     print(f"> {case.turns[-1]}\n{history[-1]['content']}", flush=True)
+    if case.schema is not None:
+        print(f"[{parses(history[-1]['content'], max_new)}]", flush=True)
     same = "outputs identical" if tokens == base else "OUTPUTS DIFFER"
     cycles = len(spec.last.accept_lengths)
     print(
@@ -127,11 +169,15 @@ def _main(argv: Sequence[str] | None) -> int:
     spec.warm_up(wait=False)
     plain.warm_up()
     spec.compiled.wait()
+    grammars = Grammars(tok, m.tcfg.vocab_size, m.tcfg.eos_token_ids)
+    first = loading.encode_chat(tok, [{"role": "user", "content": "Hi"}], True)
+    for talk in (spec, plain):  # structured output's cycles compile on their first answer: a short one, untimed
+        answer(talk, first, 2, grammars.matcher(Constraint.json_object()))
     print(f"{time.perf_counter() - t0:.1f} s\n", flush=True)
     identical = True
     for i, case in enumerate(CASES, 1):
         print(f"{i}/{len(CASES)}: {case.name}", flush=True)
-        identical &= run_case(case, spec, plain, tok, a.max_new_tokens)
+        identical &= run_case(case, spec, plain, tok, a.max_new_tokens, grammars)
     print(
         "Next: chat with the pair: python -m infer.generate --target "
         f"{target} --draft {draft}\n"

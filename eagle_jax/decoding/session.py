@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from eagle_jax.decoding import engine as engines
 from eagle_jax.decoding.engine import CHUNKS
+from eagle_jax.decoding.grammar import Matcher
 from eagle_jax.decoding.speculative import DecodeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import sharding
@@ -87,12 +88,15 @@ class Session:
     def warm_up(self, wait: bool = True, first: int | None = None) -> float:
         return self.engine.warm_up(wait, first)
 
-    def reply(self, prompt: Sequence[int], max_new_tokens: int, seed: int = 0) -> Iterator[list[int]]:
-        """Answer the conversation `prompt` (all its token ids so far): yields new tokens as they are
-        accepted; `last` then holds the turn's figures. The caches keep the prompt and the answer."""
+    def reply(
+        self, prompt: Sequence[int], max_new_tokens: int, seed: int = 0, grammar: Matcher | None = None
+    ) -> Iterator[list[int]]:
+        """Answer the conversation `prompt` (all its token ids so far), following `grammar` (a fresh matcher) when
+        given: yields new tokens as they are accepted; `last` then holds the turn's figures. The caches keep the
+        prompt and the answer."""
         prompt = list(prompt)
         t0 = time.perf_counter()
-        keep = self.engine.admit(0, prompt, max_new_tokens, seed=seed, owner=self)
+        keep = self.engine.admit(0, prompt, max_new_tokens, seed=seed, owner=self, grammar=grammar)
         jax.block_until_ready(self.engine.state)
         t1 = time.perf_counter()
         tokens: list[int] = []
