@@ -122,6 +122,24 @@ def test_forced_chains_are_drafted_and_accepted(demo):
     assert max(engine.accept_lengths(0)) >= 3
 
 
+def test_forced_text_is_drafted_as_the_tokenizer_spells_it(demo):
+    """The forced chain runs past the point where the grammar's own forced tokens stop (a key's `":"`, which more
+    than one split of the text could spell), and falls back to those tokens when the spelling is not allowed."""
+    tok, grammars = demo[4], demo[5]
+    keys = grammar.Constraint.json_schema(
+        {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+         "required": ["name", "age"], "additionalProperties": False}
+    )  # fmt: skip
+    m = grammars.matcher(keys)
+    assert tok.decode(m.forced(8)) == '{"name":"' and tok.decode(m.m.compute_ff_tokens()) == '{"name'
+    assert len(m.forced(2)) == 2
+    m.advance(m.forced(8) + tok.encode('Bo"', add_special_tokens=False))
+    assert tok.decode(m.forced(8)) == ',"age":'
+    spaced = grammars.matcher(keys)
+    spaced.encode = lambda text: tok.encode(" " + text, add_special_tokens=False)  # a prefixed space: not allowed
+    assert tok.decode(spaced.forced(8)) == '{"name'
+
+
 def test_json_answers_validate(demo):
     """Schema answers end by stop, parse and validate (json_object answers are objects where they end)."""
     tok = demo[4]

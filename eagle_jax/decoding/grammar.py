@@ -19,7 +19,7 @@ import functools
 import hashlib
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -100,6 +100,7 @@ class Grammars:
 
         self.vocab_size, self.words = vocab_size, (vocab_size + 31) // 32
         self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=list(eos_ids))
+        self.encode = functools.partial(tokenizer.encode, add_special_tokens=False)
         self.eos_ids = tuple(eos_ids)
         self._compiled = functools.lru_cache(maxsize=cache)(self._compile)
 
@@ -116,14 +117,14 @@ class Grammars:
         m = llguidance.LLMatcher(self.tokenizer, definition, limits=llguidance.LLParserLimits(**LIMITS))
         if m.is_error():
             raise GrammarError(f"{constraint.kind} refused: {_line(m.get_error())}; fix it")
-        start = Matcher(m, self.words, self.eos_ids)
+        start = Matcher(m, self.words, self.eos_ids, self.encode)
         start.mask()  # the lazy part of the compilation (and a check that it can start)
         return start
 
     def matcher(self, constraint: Constraint) -> Matcher:
         """A fresh matcher at the start of `constraint` (compiled once per distinct constraint, then copied)."""
         start = self._compiled(constraint)
-        return Matcher(start.m.deep_copy(), start.words, start.eos_ids)
+        return Matcher(start.m.deep_copy(), start.words, start.eos_ids, self.encode)
 
     def check(self, constraint: Constraint) -> None:
         """Compile (or find cached) `constraint`; raises GrammarError naming the problem."""
@@ -138,8 +139,8 @@ def _line(exc: object) -> str:
 class Matcher:
     """A row's grammar state on the host, after the tokens it was given (`advance`)."""
 
-    def __init__(self, m, words: int, eos_ids: Sequence[int]):
-        self.m, self.words, self.eos_ids = m, words, frozenset(eos_ids)
+    def __init__(self, m, words: int, eos_ids: Sequence[int], encode: Callable[[str], list[int]]):
+        self.m, self.words, self.eos_ids, self.encode = m, words, frozenset(eos_ids), encode
 
     @property
     def stopped(self) -> bool:
@@ -165,8 +166,16 @@ class Matcher:
                 raise GrammarError(f"token {t} breaks the grammar: {self.m.get_error()}")
 
     def forced(self, k: int) -> list[int]:
-        """Up to k tokens the grammar forces next (a chain to draft for free)."""
-        return [] if self.m.is_stopped() else [int(t) for t in self.m.compute_ff_tokens()[:k]]
+        """Up to k tokens of the text the grammar forces next (a chain to draft for free): its forced bytes as the
+        tokenizer spells them, as far as the grammar allows those tokens, or the tokens the grammar forces when
+        they go further. (Those stop where the text could be split into tokens more than one way: before the `":"`
+        after a schema's key, say. A tokenizer that prefixes a space spells nothing the grammar allows.)"""
+        if self.m.is_stopped():
+            return []
+        spelt = self.encode(self.m.compute_ff_bytes().decode("utf-8", "ignore"))[:k]
+        spelt = spelt[: self.m.validate_tokens(spelt)] if spelt else []
+        tokens = self.m.compute_ff_tokens()[:k]
+        return [int(t) for t in max(spelt, tokens, key=len)]
 
     def tree_masks(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
         """tokens, parents [N] of a tree whose root (node 0) is the state's last token -> [N, W]: the mask after
