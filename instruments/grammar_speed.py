@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import jsonschema
 
 from cli.timing import read_questions
+from eagle_jax.decoding import grammar
 from eagle_jax.decoding.engine import Engine
 from eagle_jax.decoding.grammar import Grammars, Matcher
 from eagle_jax.decoding.speculative import DecodeConfig
@@ -35,36 +36,47 @@ ENVELOPES = (NoDraft(context=7), DynamicTree(8, 3, 2, context=7))
 
 
 class Probe:
-    """Counts the host's grammar work and records each cycle's tree and forced chain (wrapping `Matcher`)."""
+    """Counts the host's grammar work (masks, forced chains) and records, per row and cycle, the tree and whether
+    the grammar drafted a forced chain into its candidate slots, at the root or after the head's path."""
 
     def __init__(self):
         self.host_s = 0.0
         self.trees: dict[int, list] = collections.defaultdict(list)  # id(matcher) -> each cycle's (tokens, parents)
         self.forced: dict[int, list] = collections.defaultdict(list)  # id(matcher) -> whether it forced a chain
-        self._masks, self._forced = Matcher.tree_masks, Matcher.forced
+        self._pending: set[int] = set()  # matchers that forced a chain in the cycle under way
+        self._saved = Matcher.tree_masks, Matcher.forced, Matcher.path_chain, grammar.forced_chains
 
     def __enter__(self):
         probe = self
+        masks, forced, path_chain, forced_chains = self._saved
 
-        def tree_masks(m, tokens, parents):
-            t0 = time.perf_counter()
-            out = probe._masks(m, tokens, parents)
-            probe.host_s += time.perf_counter() - t0
+        def timed(fn):
+            def run(*args):
+                t0 = time.perf_counter()
+                out = fn(*args)
+                probe.host_s += time.perf_counter() - t0
+                return out
+
+            return run
+
+        def tree_masks(m, tokens, parents):  # once per row and cycle, on its final tree
             probe.trees[id(m)].append((tokens, parents))
+            probe.forced[id(m)].append(id(m) in probe._pending)
+            probe._pending.discard(id(m))
+            return timed(masks)(m, tokens, parents)
+
+        def noted(m, k):
+            out = forced(m, k)
+            if out:
+                probe._pending.add(id(m))
             return out
 
-        def forced(m, k):
-            t0 = time.perf_counter()
-            out = probe._forced(m, k)
-            probe.host_s += time.perf_counter() - t0
-            probe.forced[id(m)].append(len(out) > 0)
-            return out
-
-        Matcher.tree_masks, Matcher.forced = tree_masks, forced
+        Matcher.tree_masks, Matcher.forced, Matcher.path_chain = tree_masks, noted, timed(path_chain)
+        grammar.forced_chains = timed(forced_chains)
         return self
 
     def __exit__(self, *exc):
-        Matcher.tree_masks, Matcher.forced = self._masks, self._forced
+        Matcher.tree_masks, Matcher.forced, Matcher.path_chain, grammar.forced_chains = self._saved
 
 
 def answers(
@@ -154,8 +166,9 @@ def main(argv: list[str] | None = None) -> None:
         return out
 
     settings = [(PLAIN, False), (PLAIN, True), *((e, True) for e in ENVELOPES)]
-    for tree, constrained in settings:  # compile the programs the timed pass runs
-        run(tree, constrained, 1)
+    first_s = {}  # the first batch of each setting, which compiles its programs (and prepares its schemas)
+    for tree, constrained in settings:
+        first_s[(envelope_name(tree), constrained)] = run(tree, constrained, 1)["seconds"]
     results = {(envelope_name(t), c): run(t, c) for t, c in settings}
     rate = lambda r: sum(map(len, r["tokens"])) / r["seconds"]  # noqa: E731
     free, plain = results[("plain", False)], results[("plain", True)]
@@ -175,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
                 "host_ms_per_cycle": r["host_s"] / r["batch_cycles"] * 1e3,
                 "cycle_ms": r["seconds"] / r["batch_cycles"] * 1e3,
                 "valid_answers": r["valid"],
+                "first_batch_s": first_s[(envelope_name(tree), True)],
             }
         )
     answered = len(plain["tokens"])  # prompts, and repeats filling the last batch
@@ -187,13 +201,16 @@ def main(argv: list[str] | None = None) -> None:
         "valid_answers_constrained_plain": plain["valid"],
         "tokenizer_prepare_s": prepare_s,
         "schema_compile_ms": compile_ms,
+        "first_batch_s": {f"{name} {'constrained' if c else 'free'}": v for (name, c), v in first_s.items()},
         "envelopes": rows,
     }
     print(
         f"batch {args.batch}: {answered} answers to {len(prompts)} prompts, {doc['tokens_constrained_plain']} tokens "
         f"(constrained plain, {plain['valid']}/{answered} valid); constrained plain / free plain per token: "
         f"{doc['constrained_plain_vs_free_plain_per_token']:.2f}x; tokenizer prepared in {prepare_s:.2f} s, "
-        f"a schema compiles in {compile_ms:.1f} ms\n"
+        f"a schema compiles in {compile_ms:.1f} ms; the first batch (compiling its programs) took "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in doc["first_batch_s"].items())
+        + "\n"
     )
     print("| envelope | speedup vs constrained plain | mismatches | tau | forced | context | head | host ms / cycle "
           "| cycle ms | valid |")  # fmt: skip

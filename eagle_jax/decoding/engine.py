@@ -311,6 +311,17 @@ class Engine:
         )
         state, tr, wide = drafted
         tokens, parents = distributed.host_value((tr.tokens, tr.parents))  # [R, N]
+        if forced is not None and cfg.tree.needs_head:  # rows forced nothing at the root: after the head's path?
+            heads, k = cfg.tree.head_nodes, cfg.tree.context
+            chains = [
+                m.path_chain(t, p, heads, k) if m and not f else []
+                for m, t, p, f in zip(matchers, tokens, parents, forced[1][:, 0], strict=True)
+            ]
+            if any(chains):
+                tr, wide = self.compiled(
+                    f"regraft {tag}", speculative.regraft, tr, wide, grammars.candidates(chains, k), cfg=cfg
+                )
+                tokens, parents = distributed.host_value((tr.tokens, tr.parents))
         masks = np.stack(
             [
                 m.tree_masks(t, p) if m else grammars.everything(t.shape, vocab)

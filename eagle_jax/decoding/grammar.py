@@ -177,6 +177,21 @@ class Matcher:
         tokens = self.m.compute_ff_tokens()[:k]
         return [int(t) for t in max(spelt, tokens, key=len)]
 
+    def path_chain(self, tokens: np.ndarray, parents: np.ndarray, heads: int, k: int) -> list[int]:
+        """tokens, parents [N] of a tree -> up to k tokens to graft from its root: its first path (each node's first
+        child among the head's `heads` nodes, its likeliest) as far as the grammar allows it, then the text the
+        grammar forces after it (`forced`); empty when nothing is forced there."""
+        path, node = [], 0
+        while (child := next((j for j in range(node + 1, heads) if parents[j] == node), None)) is not None:
+            if int(tokens[child]) in self.eos_ids:
+                break
+            path.append(int(tokens[child]))
+            node = child
+        taken = self.m.try_consume_tokens(path[: k - 1]) if path and not self.m.is_stopped() else 0
+        forced = self.forced(k - taken)
+        self.m.rollback(taken)
+        return path[:taken] + forced if forced else []
+
     def tree_masks(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
         """tokens, parents [N] of a tree whose root (node 0) is the state's last token -> [N, W]: the mask after
         each node's path. Nodes the grammar rejects (never accepted: the choice at their parent is masked), eos
@@ -203,14 +218,18 @@ class Matcher:
         return out
 
 
-def forced_chains(matchers: Sequence[Matcher | None], k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Up to k forced tokens per row (None: a row without grammar) -> tokens [R, k] int32, valid [R, k] bool, in
-    the shape of the context candidates they replace."""
-    tokens, valid = np.full((len(matchers), k), -1, np.int32), np.zeros((len(matchers), k), bool)
-    for i, m in enumerate(matchers):
-        chain = m.forced(k) if m is not None else []
+def candidates(chains: Sequence[Sequence[int]], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """A chain of up to k tokens per row -> tokens [R, k] int32, valid [R, k] bool, in the shape of the context
+    candidates they replace (a row with an empty chain keeps its own)."""
+    tokens, valid = np.full((len(chains), k), -1, np.int32), np.zeros((len(chains), k), bool)
+    for i, chain in enumerate(chains):
         tokens[i, : len(chain)], valid[i, : len(chain)] = chain, True
     return tokens, valid
+
+
+def forced_chains(matchers: Sequence[Matcher | None], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Up to k forced tokens per row (None: a row without grammar), as `candidates`."""
+    return candidates([m.forced(k) if m is not None else [] for m in matchers], k)
 
 
 def restrict(logits: jax.Array, bits: jax.Array | None) -> jax.Array:

@@ -582,6 +582,13 @@ def cycle_verify(
     return part if rows is None else put_rows(state, part, rows)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def regraft(tr: Tree, wide: jax.Array, candidates: tuple, *, cfg: DecodeConfig) -> tuple[Tree, jax.Array]:
+    """Between `cycle_draft` and `cycle_verify`: the tree with new context candidates (tokens [R, context], valid
+    [R, context]) in the rows that have any (`tree.regraft`), and whether a row has candidates now."""
+    return trees.regraft(cfg.tree, tr, candidates), wide | jnp.any(candidates[1][:, 0])
+
+
 def take_rows(s: SpecState, rows: jax.Array) -> SpecState:
     """The state of rows [R]: their values, and caches that are views of theirs (written in place)."""
     pick = functools.partial(jax.tree.map, lambda a: a[rows])

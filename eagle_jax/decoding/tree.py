@@ -396,6 +396,15 @@ def build(
     return _finish(tokens, parents, tree.max_depth), state
 
 
+def regraft(tree: TreeConfig, tr: Tree, candidates: tuple[jax.Array, jax.Array]) -> Tree:
+    """`tr` (built with `tree.context`) with its context branch replaced by candidates (tokens [B, context], valid
+    [B, context]) in the rows that have any: grafted onto the head's nodes as `build` grafts them."""
+    n = tree.head_nodes
+    tokens, parents = context.graft(tr.tokens[:, :n], tr.parents[:, :n], *candidates)
+    new, use = _finish(tokens, parents, tree.max_depth), candidates[1][:, 0]  # [B]
+    return jax.tree.map(lambda a, b: jnp.where(use.reshape(-1, *[1] * (a.ndim - 1)), a, b), new, tr)
+
+
 def parse_static(text: str) -> StaticTree:
     """'default' / 'mc_sim_7b_63' or a JSON list of rank paths."""
     import json
