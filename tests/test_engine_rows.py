@@ -227,3 +227,18 @@ def test_a_failed_chat_turn_prints_one_line_and_the_chat_goes_on(monkeypatch, ca
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert errors == ["error: the engine failed (RuntimeError: injected); its rows were rebuilt"] and "fine" in out
     assert talk.prompts[1] == tok("second").input_ids  # the failed turn left the history
+
+
+def test_an_engine_keeps_host_parameters_on_the_device(golden_dir):
+    """A loader's numpy parameters are put on the device once, not copied there by every program call."""
+    import numpy as np
+
+    from eagle_jax.decoding.engine import Engine
+    from eagle_jax.decoding.tree import DynamicTree
+    from eagle_jax.io import loading
+
+    tcfg, tparams = loading.load_target(golden_dir / "target")
+    dcfg, dparams = loading.load_draft(golden_dir / "eagle3", tcfg)
+    numpy = jax.tree.map(np.asarray, (tparams, dparams))  # as a loader gives them
+    engine = Engine(*numpy, DecodeConfig(tcfg, dcfg, DynamicTree(5, 3, 1)), 1, 64)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves((engine.tparams, engine.dparams)))

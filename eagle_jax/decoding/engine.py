@@ -208,6 +208,8 @@ class Engine:
                 f"{capacity} exceeds the target's {tcfg.rope.max_position_embeddings} positions; lower it", "capacity"
             )
         dcfg = cfg.dcfg if head else None
+        if mesh is None:  # host arrays (a loader's numpy) would be copied to the device by every program call
+            tparams, dparams = jax.device_put((tparams, dparams))
         self.tparams, self.dparams = tparams, dparams if head else None
         sampling = STATIC_SAMPLING if per_row else cfg.sampling
         self.cfg = DecodeConfig(tcfg, dcfg, PLAIN, sampling, cfg.logprobs)  # what `extend` runs with (no tree)
