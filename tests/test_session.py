@@ -206,6 +206,22 @@ def test_a_call_waits_for_its_program_and_nothing_compiles_twice():
     many.wait()
 
 
+def test_a_program_nobody_started_compiles_on_its_callers_thread():
+    """A caller that would only wait compiles its program itself (warm-up's submissions go to the workers)."""
+    where = []
+
+    class Recorded(Gated):
+        def compile(self):
+            where.append(threading.current_thread())
+            return super().compile()
+
+    fn = Recorded()
+    fn.gate.set()
+    assert programs.Precompiled()("r", fn, np.ones(21)) == ("compiled", 1) and where == [threading.current_thread()]
+    programs.Precompiled().submit("s", fn, np.ones(22)).result()
+    assert where[-1] is not threading.current_thread()
+
+
 def test_bad_sessions(pair):
     tparams, tcfg, dparams, dcfg = pair
     with pytest.raises(EagleError, match="positions"):

@@ -153,14 +153,21 @@ def _executable(program: tuple) -> jax.stages.Compiled:
     return compiled
 
 
-def _compile(program: tuple) -> concurrent.futures.Future:
+def _compile(program: tuple, here: bool = False) -> concurrent.futures.Future:
     """The future of a program's executable: the one under way or done, else (never asked, cancelled or failed) a
-    new one."""
+    new one, compiled on a worker thread, or on this thread with `here` (a caller that would only wait for it)."""
     with _COMPILED_LOCK:
         known = _COMPILED.get(program)
-        if known is None or known.cancelled() or (known.done() and known.exception() is not None):
-            _COMPILED[program] = _COMPILER.submit(_executable, program)
-        return _COMPILED[program]
+        fresh = known is None or known.cancelled() or (known.done() and known.exception() is not None)
+        if fresh:
+            _COMPILED[program] = concurrent.futures.Future() if here else _COMPILER.submit(_executable, program)
+        future = _COMPILED[program]
+    if fresh and here and future.set_running_or_notify_cancel():  # other callers wait on the future meanwhile
+        try:
+            future.set_result(_executable(program))
+        except Exception as exc:  # noqa: BLE001 (the caller and any other waiter get it from the future)
+            future.set_exception(exc)
+    return future
 
 
 def forget() -> None:
@@ -189,16 +196,17 @@ class Precompiled:
         self._programs: dict[str, tuple] = {}
         self._ready: dict[str, Any] = {}
 
-    def submit(self, name: str, fn: Any, *args: Any, **static: Any) -> concurrent.futures.Future:
+    def submit(self, name: str, fn: Any, *args: Any, here: bool = False, **static: Any) -> concurrent.futures.Future:
         if name not in self._programs:
             self._programs[name] = _program(fn, args, static)
-        return _compile(self._programs[name])
+        return _compile(self._programs[name], here)
 
     def __call__(self, name: str, fn: Any, *args: Any, **static: Any) -> Any:
-        """fn(*args, **static) with the program compiled for `name`."""
+        """fn(*args, **static) with the program compiled for `name` (compiled on this thread when nobody has started
+        it: the caller waits for it either way)."""
         executable = self._ready.get(name)
         if executable is None:
-            executable = self._ready[name] = self.submit(name, fn, *args, **static).result()
+            executable = self._ready[name] = self.submit(name, fn, *args, here=True, **static).result()
         return executable(*args)
 
     def wait(self) -> None:
