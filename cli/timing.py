@@ -84,10 +84,14 @@ class Runner:
         """The settings and head a run with `tree` takes (`speculative.head_for`)."""
         return speculative.head_for(speculative.DecodeConfig(self.tcfg, self.dcfg, tree, self.sampling), self.dparams)
 
-    def plain(self, prompts: list[list[int]], max_new_tokens: int | None = None, constraints=None) -> dict:
+    def plain(
+        self, prompts: list[list[int]], max_new_tokens: int | None = None, constraints: list | None = None
+    ) -> dict:
         return self._run(PLAIN, prompts, max_new_tokens, constraints)
 
-    def speculative(self, prompts: list[list[int]], max_new_tokens: int | None = None, constraints=None) -> dict:
+    def speculative(
+        self, prompts: list[list[int]], max_new_tokens: int | None = None, constraints: list | None = None
+    ) -> dict:
         return self._run(self.tree, prompts, max_new_tokens, constraints)
 
     def _matchers(self, constraints: list[Constraint | None] | None) -> list | None:
@@ -126,8 +130,8 @@ class Runner:
         """Compile both decoders' programs for the batch's cache layout (every chunk size and attention span: the
         engine's warm-up) and run a short generation through them (under the rows' grammars: the masked cycle's
         programs), so that the timed runs compile nothing."""
-        matchers = self._matchers(constraints)
-        shape = (len(prompts), self.prepare(prompts, self.max_new_tokens).capacity, matchers is not None)
+        constrained = any(constraints or ())
+        shape = (len(prompts), self.prepare(prompts, self.max_new_tokens).capacity, constrained)
         if shape in self._warm:
             return
         self._warm = set()

@@ -19,12 +19,12 @@ the official code's own environment. On a shared machine use ``--threads 1`` (re
 why).
 
 Setting up: fetch SafeAILab/EAGLE at commit cb7e0841fe0c206c6ed74a197ad5e2a1f13f5a2b (the one the golden data was
-made with) into a folder outside this repository, e.g. ``git archive cb7e084 eagle | tar -x -C /work/scratch/EAGLE``.
+made with) into a folder outside this repository, e.g. ``git archive cb7e084 eagle | tar -x -C ~/src/EAGLE``.
 Make a Python 3.11 venv with ``pip install torch==2.13.0 transformers==4.53.3`` (a CPU build of torch; these bring
 numpy, safetensors, tokenizers and huggingface_hub, which is all ``eagle/model`` needs on CPU; the official code does
 not import under transformers 5). Then run this file with that venv's python, from the repository root:
 
-    VENV/bin/python instruments/official_timing.py --eagle-repo /work/scratch/EAGLE --target tests/golden/target
+    VENV/bin/python instruments/official_timing.py --eagle-repo ~/src/EAGLE --target tests/golden/target
         --draft tests/golden/eagle3 --prompts-npz tests/golden/reference.npz --json official.json
 """
 

@@ -21,6 +21,23 @@ import pytest  # noqa: E402
 GOLDEN = Path(__file__).parent / "golden"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_programs():
+    """After each test file, let go of its compiled programs. Every XLA:CPU executable holds memory maps of its
+    code, and a test worker that kept them all reached 44,000 maps: past Linux's default limit of 65,530 a compile
+    cannot map its code and XLA crashes (segfault or abort) inside `backend_compile_and_load`."""
+    yield
+    import gc
+
+    import jax
+
+    from eagle_jax.decoding import programs
+
+    programs.forget()
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def golden_dir() -> Path:
     return GOLDEN
