@@ -32,15 +32,17 @@ def add_flags(
     p: argparse.ArgumentParser,
     *,
     config: bool = True,
+    draft: bool = True,
     draft_kind: bool = False,
     dtype: bool = True,
     mesh: bool = True,
     quantize: bool = True,
     dtype_default: str | None = None,
+    dtype_help: str = "the preset's, else as stored; the demo pair: fp32",
     mesh_help: str = "(default: the preset's, else one device)",
 ) -> None:
     """--config/--models (presets), --target, --draft, --draft-kind, --dtype, --mesh, --quantize: those a command
-    takes (`dtype_default`: --dtype's default, else the preset's or as stored)."""
+    takes (`dtype_default`: --dtype's default, else `dtype_help` says what it falls back to)."""
     g = p.add_argument_group("models")
     if config:
         g.add_argument("--config", help=f"preset name in configs/ ({', '.join(presets.available())}) or a .json path")
@@ -48,11 +50,12 @@ def add_flags(
             "--models", help=f"folder holding the preset's checkpoints (default: ${presets.MODELS_ENV} or ./models)"
         )
     g.add_argument("--target", help="store, Hugging Face folder or GGUF file (default: the demo pair)")
-    g.add_argument("--draft", help=f"{presets.DRAFT_HELP} (default: the target store's head, or the demo pair's)")
+    if draft:
+        g.add_argument("--draft", help=f"{presets.DRAFT_HELP} (default: the target store's head, or the demo pair's)")
     if draft_kind:
         g.add_argument("--draft-kind", choices=DRAFT_KINDS, help="assert the head kind (default: detected)")
     if dtype:
-        shown = dtype_default or "the preset's, else as stored; the demo pair: fp32"
+        shown = dtype_default or dtype_help
         g.add_argument(
             "--dtype", choices=tuple(command.DTYPES), default=dtype_default, help=f"weights dtype (default: {shown})"
         )

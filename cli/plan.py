@@ -15,10 +15,11 @@ With `--tpu v5e-8|v5p-8|v6e-8` the TPU compiler in libtpu compiles for that slic
 needed, only the libtpu package); it refuses programs whose temporaries exceed a chip's HBM, which the
 report shows as such.
 
---config is a preset (configs/NAME.json, by name or path), an eagle-jax store or a Hugging Face model
-directory. A preset's dimensions come from its checkpoints' config.json under --models when they are
-there, else from the public values built in below for its hub names; a model directory (or a store
-without a head) gets an EAGLE-3 head shaped like one of its layers.
+The model flags are every command's (`cli.models`): --config, a preset (configs/NAME.json, by name or
+path), or --target, an eagle-jax store, a Hugging Face model directory or a GGUF file. A preset's
+dimensions come from its checkpoints' config.json under --models when they are there, else from the
+public values built in below for its hub names; a model directory (or a store without a head) gets an
+EAGLE-3 head shaped like one of its layers.
 
 Parameters, KV caches and loop state are exact (shapes and shardings). Temporaries and the peak
 (arguments + outputs - donated + temporaries) are the compiler's `memory_analysis()`. XLA:CPU's are an
@@ -38,7 +39,7 @@ from typing import Any
 
 import jax
 
-from cli import command, presets
+from cli import command, models, presets
 from eagle_jax.decoding import programs
 from eagle_jax.decoding.tree import DynamicTree
 from eagle_jax.errors import EagleError
@@ -119,17 +120,11 @@ def _model_configs(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = command.ArgumentParser(prog="python -m infer.plan", description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--config",
-        "--target",
-        dest="config",
-        required=True,
-        help="preset name or .json (configs/), store, or Hugging Face model directory",
-    )
-    p.add_argument(
-        "--mesh",
-        default=None,
-        help="e.g. tensor=8 or data=2,tensor=4 (default: tensor over all devices; training: fsdp over all devices)",
+    models.add_flags(
+        p,
+        draft=False,
+        dtype_help="the preset's, else bf16",
+        mesh_help="(default: tensor over all devices; training: fsdp over all devices)",
     )
     p.add_argument("--batch", "--batch-size", dest="batch", type=int, default=1)
     p.add_argument(
@@ -147,9 +142,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=None,
         help="compile with the TPU compiler for this slice (needs libtpu; no TPU needed) instead of on CPU",
     )
-    p.add_argument(
-        "--dtype", choices=tuple(command.DTYPES), default=None, help="weights (default: the preset's, else bf16)"
-    )
     p.add_argument("--prompt-len", type=int, default=None, help="prefill prompt length (default: --max-len)")
     p.add_argument("--train", "--plan", dest="train", action="store_true", help="plan a TTT training step instead")
     p.add_argument("--ttt-steps", type=int, default=7)
@@ -159,12 +151,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="training: the step from stored features (train.features): only the target's readout resident",
     )
     p.add_argument("--bf16", action="store_true", help="training: bf16 target and compute (as train.eagle3 --bf16)")
-    p.add_argument("--quantize", help="inference: the target's weights quantised, int8 (as infer.generate --quantize)")
     p.add_argument("--draft-vocab-size", type=int, default=32000, help="head vocabulary for a bare model directory")
-    p.add_argument(
-        "--models", default=None, help="models root of the presets (default $EAGLE_JAX_MODELS, else ./models)"
-    )
     a = p.parse_args(argv)
+    if (a.config is None) == (a.target is None):
+        raise EagleError(
+            "name one model to plan: --config PRESET or --target FOLDER (a store, a Hugging Face folder, a GGUF file)"
+        )
     for name in ("batch", "max_len", "ttt_steps"):
         if getattr(a, name) < 1:
             raise EagleError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -187,10 +179,11 @@ def _main(argv: Sequence[str] | None) -> int:
 
     if a.train and a.quantize:
         raise EagleError("training reads a float target: leave --quantize out of --train", "quantize")
-    tcfg, dcfg, tree, preset_dtype = model_configs(a.config, a.models, a.draft_vocab_size, a.quantize)
+    source = a.target or a.config
+    tcfg, dcfg, tree, preset_dtype = model_configs(source, a.models, a.draft_vocab_size, a.quantize)
     n = len(devices)
     mesh = sharding.make_mesh(a.mesh or (f"fsdp={n}" if a.train else f"tensor={n}"), devices)
-    name = Path(a.config).name.removesuffix(".json")
+    name = Path(source).name.removesuffix(".json")
     if a.train:
         bf16 = a.bf16 or a.dtype == "bf16"
         result = step.plan_training(tcfg, dcfg, mesh, a.batch, a.max_len, a.ttt_steps, bf16, a.offline)

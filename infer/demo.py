@@ -159,7 +159,7 @@ def _main(argv: Sequence[str] | None) -> int:
     said = f" ({why}: the demo shows them anyway)" if why else " (the head's measured budget for one row here)"
     print(f"demo: {generation.pair_name(m, tree)}{said}; greedy, against plain decoding", flush=True)
     spec, plain = (
-        session.Session(m.tparams, m.dparams, DecodeConfig(m.tcfg, m.dcfg, t), CAPACITY, stream=False)
+        session.Session(m.tparams, m.dparams, DecodeConfig(m.tcfg, m.dcfg, t), CAPACITY, stream=False, structured=True)
         for t in (tree, PLAIN)
     )
     names = len(spec.programs()) + len(plain.programs())
@@ -170,9 +170,6 @@ def _main(argv: Sequence[str] | None) -> int:
     plain.warm_up()
     spec.compiled.wait()
     grammars = Grammars(tok, m.tcfg.vocab_size, m.tcfg.eos_token_ids)
-    first = loading.encode_chat(tok, [{"role": "user", "content": "Hi"}], True)
-    for talk in (spec, plain):  # structured output's cycles compile on their first answer: a short one, untimed
-        answer(talk, first, 2, grammars.matcher(Constraint.json_object()))
     print(f"{time.perf_counter() - t0:.1f} s\n", flush=True)
     identical = True
     for i, case in enumerate(CASES, 1):

@@ -133,6 +133,7 @@ def _main(argv: Sequence[str] | None) -> int:
         mesh=m.mesh,
         logprobs=a.max_logprobs,
         prefix_tokens=prefix_tokens,
+        structured=True,
     )
     names = engine.programs()
     started = time.perf_counter()

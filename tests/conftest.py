@@ -21,12 +21,10 @@ import pytest  # noqa: E402
 GOLDEN = Path(__file__).parent / "golden"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _release_programs():
-    """After each test file, let go of its compiled programs. Every XLA:CPU executable holds memory maps of its
-    code, and a test worker that kept them all reached 44,000 maps: past Linux's default limit of 65,530 a compile
-    cannot map its code and XLA crashes (segfault or abort) inside `backend_compile_and_load`."""
-    yield
+MAPS_KEPT = 30_000  # memory maps a test worker may hold before it lets go of its compiled programs
+
+
+def _release() -> None:
     import gc
 
     import jax
@@ -36,6 +34,30 @@ def _release_programs():
     programs.forget()
     jax.clear_caches()
     gc.collect()
+
+
+def _maps() -> int:
+    try:
+        with open("/proc/self/maps") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_programs():
+    """After each test file, and after a test that left more than MAPS_KEPT memory maps, let go of the compiled
+    programs nothing holds. Every XLA:CPU executable keeps memory maps of its code: past Linux's default limit of
+    65,530 a compile cannot map its code and XLA crashes (segfault or abort) inside `backend_compile_and_load`."""
+    yield
+    _release()
+
+
+@pytest.fixture(autouse=True)
+def _bounded_maps():
+    yield
+    if _maps() > MAPS_KEPT:
+        _release()
 
 
 @pytest.fixture(scope="session")

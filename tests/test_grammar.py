@@ -167,6 +167,24 @@ def test_the_forced_text_after_the_heads_path_is_grafted(demo, monkeypatch):
     assert cycles < len(_last_accepts), (cycles, len(_last_accepts))
 
 
+@pytest.mark.parametrize("tree", [ENVELOPES["dynamic+context"], PLAIN], ids=["dynamic+context", "plain"])
+def test_a_structured_engines_warm_up_compiles_what_constrained_answers_run(demo, compiles, tree):
+    """With `structured`, the warm-up compiles the programs of rows that follow grammars (masked extends; the masked
+    plain step, or draft, regraft and verify) at every span: constrained answers beside a free one, crossing from
+    the first span into the second, compile nothing."""
+    tcfg, tparams, dcfg, dparams, _, grammars = demo
+    engine = Engine(tparams, dparams, DecodeConfig(tcfg, dcfg, tree), 2, 256, structured=True)
+    engine.warm_up()
+    warm = len(compiles)
+    long = _ids(demo, " ".join(PROMPTS * 6))[:100] + _ids(demo, PROMPTS[0])
+    for constraint in ("schema", "regex"):
+        engine.admit(0, long, 40, grammar=grammars.matcher(CONSTRAINTS[constraint]))
+        engine.admit(1, _ids(demo, PROMPTS[1]), 40)
+        while engine.live:
+            engine.cycle()
+    assert len(compiles) == warm, compiles[warm:]
+
+
 def test_json_answers_validate(demo):
     """Schema answers end by stop, parse and validate (json_object answers are objects where they end)."""
     tok = demo[4]

@@ -123,7 +123,7 @@ def test_the_command_names_the_flag(golden_dir):
 def test_the_plan_command_plans_int8_weights(capsys, golden_dir):
     """infer.plan --quantize int8 on the golden target: its layers' weights planned as int8 (the tied embedding
     stays float32); a training plan with a quantised target is refused."""
-    args = ["--config", str(golden_dir / "target"), "--mesh", "tensor=4,data=2", "--batch", "2", "--max-len", "128"]
+    args = ["--target", str(golden_dir / "target"), "--mesh", "tensor=4,data=2", "--batch", "2", "--max-len", "128"]
     args += ["--dtype", "fp32", "--draft-vocab-size", "512"]
     resident = {}
     for extra in ([], ["--quantize", "int8"]):

@@ -271,7 +271,7 @@ def test_plan_cli(capsys, golden_dir):
     assert (
         plan.main(
             [
-                "--config",
+                "--target",
                 str(golden_dir / "target"),
                 "--mesh",
                 "tensor=4,data=2",
@@ -342,9 +342,16 @@ def test_plan_configs(tmp_path, golden_dir, monkeypatch):
     assert (dcfg.kind, dcfg.draft_vocab_size, dcfg.intermediate_size) == ("eagle3", 512, tcfg.intermediate_size)
 
 
+def test_plan_names_one_model(capsys, golden_dir):
+    """The plan takes the model flags every command takes: one of --config (a preset) and --target (a folder)."""
+    assert plan.main(["--batch", "2"]) == 2
+    assert plan.main(["--config", "llama3.3-70b-eagle3", "--target", str(golden_dir / "target")]) == 2
+    assert capsys.readouterr().err.count("name one model to plan: --config PRESET or --target FOLDER") == 2
+
+
 def test_plan_tpu_needs_libtpu(capsys, golden_dir, monkeypatch):
     monkeypatch.setitem(sys.modules, "libtpu", None)  # as on a machine without the package
-    assert plan.main(["--config", str(golden_dir / "target"), "--tpu", "v6e-8"]) == 2
+    assert plan.main(["--target", str(golden_dir / "target"), "--tpu", "v6e-8"]) == 2
     assert "--tpu: v6e-8 compiles with libtpu, which is not installed" in capsys.readouterr().err
 
 

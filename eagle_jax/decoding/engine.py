@@ -190,9 +190,11 @@ class Engine:
         loop: bool = False,
         mesh: Mesh | None = None,
         prefix_tokens: int | None = None,
+        structured: bool = False,
     ):
         """`envelopes(n)`: the tree for n live rows (default `cfg.tree` for every n). `loop`: cycles of every row
         run as one on-device loop per attention span (no host round trip per token) instead of one at a time.
+        `structured`: rows may follow grammars, and the warm-up compiles their programs too (after the others).
         `prefix_tokens`: None, a row keeps what its own caches share with its next prompt; 0, every prompt is fed
         whole; N, also a prefix cache across rows of up to N positions (`decoding.prefix`; one device)."""
         tcfg = cfg.tcfg
@@ -215,7 +217,7 @@ class Engine:
         self.cfg = DecodeConfig(tcfg, dcfg, PLAIN, sampling, cfg.logprobs)  # what `extend` runs with (no tree)
         self.settings = {n: dataclasses.replace(self.cfg, tree=t) for n, t in self.envelope.items()}
         self.slots, self.capacity, self.chunks = slots, capacity, tuple(chunks)
-        self.per_row, self.loop, self.mesh = per_row, loop, mesh
+        self.per_row, self.loop, self.mesh, self.structured = per_row, loop, mesh, structured
         self.overhead = max(t.cache_overhead for t in self.envelope.values())
         if mesh is not None:
             sharding.check_mesh(mesh, tcfg, dcfg, slots)
@@ -291,15 +293,19 @@ class Engine:
         rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
         return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
 
+    def _grammar_rows(self, live: Sequence[int]) -> np.ndarray | None:
+        """The rows a constrained cycle of the live ones computes (None: every slot): live, padded with idle ones."""
+        n = self.bucket(len(live))
+        idle = [s for s in range(self.slots) if s not in live]
+        return None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
+
     def _constrained(self, span: int, live: Sequence[int], plain: bool = False) -> tuple[SpecState, Tree]:
         """One cycle of the live rows, some of which follow grammars: a plain step under the roots' masks, or the
         tree drafted (forced chains as its context candidates), masked node by node on the host, and verified
-        (`plain`: with `tree.PLAIN`)."""
-        n = self.bucket(len(live))
+        (`plain`: with `tree.PLAIN`). `_constrained_calls` names the same programs for the warm-up."""
+        n, rows = self.bucket(len(live)), self._grammar_rows(live)
         cfg = self.cfg if plain else self.settings[n]
         static, params = {"cfg": cfg, "span": span}, (self.tparams, self.dparams)
-        idle = [s for s in range(self.slots) if s not in live]
-        rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
         matchers = [self.rows[s].grammar for s in (range(self.slots) if rows is None else rows)]
         vocab, tag = self.cfg.tcfg.vocab_size, f"{cfg.tree} rows {n} span {span}"
         if not cfg.tree.drafts:
@@ -334,6 +340,26 @@ class Engine:
             f"verify {tag}", speculative.cycle_verify, *params, state, tr, wide, masks, rows, **static
         )
         return state, tr
+
+    def _constrained_calls(self, span: int, n: int, plain: bool = False) -> list[tuple[str, Any, tuple, dict]]:
+        """The programs `_constrained` runs for n live rows, on arguments shaped as it passes them (no row's
+        grammar forcing anything): what the warm-up compiles for rows that follow grammars."""
+        rows = self._grammar_rows(range(n))
+        cfg, r = self.cfg if plain else self.settings[n], n if rows is not None else self.slots
+        static, params = {"cfg": cfg, "span": span}, (self.tparams, self.dparams)
+        vocab, tag = self.cfg.tcfg.vocab_size, f"{cfg.tree} rows {n} span {span}"
+        if not cfg.tree.drafts:
+            masked = (*params, self.state, rows, grammars.everything((r, 1), vocab))
+            return [(f"cycle {tag} masked", speculative.cycle, masked, static)]
+        forced = grammars.forced_chains([None] * r, cfg.tree.context) if cfg.tree.context else None
+        first = grammars.everything((r,), vocab) if cfg.tree.needs_head else None
+        draft = (*params, self.state, rows, forced, first)
+        state, tr, wide = jax.eval_shape(functools.partial(speculative.cycle_draft, **static), *draft)
+        calls = [(f"draft {tag}", speculative.cycle_draft, draft, static)]
+        if forced is not None and cfg.tree.needs_head:
+            calls.append((f"regraft {tag}", speculative.regraft, (tr, wide, forced), {"cfg": cfg}))
+        verify = (*params, state, tr, wide, grammars.everything(tr.tokens.shape, vocab), rows)
+        return [*calls, (f"verify {tag}", speculative.cycle_verify, verify, static)]
 
     def _feed(
         self,
@@ -373,14 +399,36 @@ class Engine:
         extends = [
             (f"extend {p.n}", speculative.extend, self._feed({0: p}, {0: 1}, None, 0), {"cfg": self.cfg}) for p in feeds
         ]
-        cycles = [self._cycle_call(span, range(n)) for n in sorted(self.envelope) for span in self.spans]
-        # a server's rows may ask for plain decoding: their cycles too (elsewhere compiled on first use)
-        drafting = [n for n in sorted(self.envelope) if self.per_row and self.envelope[n] != PLAIN]
-        cycles += [self._cycle_call(span, range(n), plain=True) for n in drafting for span in self.spans]
+        cycles = [self._cycle_call(span, range(n), plain) for n, plain in self._plans() for span in self.spans]
         retiring = ("retire", retire, (self.state, np.zeros(self.slots, bool)), {})
         copies = [("copy in", prefix.copy_in, self._copy_in_args(0, [0], []), {})] if self.index else []
         copies += [("copy out", prefix.copy_out, self._copy_out_args(0, []), {})] if self.index else []
-        return [extends[0], cycles[0], *extends[1:], *cycles[1:], retiring, *copies]
+        return [extends[0], cycles[0], *extends[1:], *cycles[1:], retiring, *copies, *self._structured_calls(feeds)]
+
+    def _structured_calls(self, feeds: Sequence[Piece]) -> list[tuple[str, Any, tuple, dict]]:
+        """With `structured`, the programs of rows that follow grammars: masked extends and constrained cycles."""
+        if not self.structured:
+            return []
+        root = {0: grammars.everything((), self.cfg.tcfg.vocab_size)}
+        extends = [
+            (
+                f"extend {p.n} masked",
+                speculative.extend,
+                self._feed({0: p}, {0: 1}, None, 0, masks=root),
+                {"cfg": self.cfg},
+            )
+            for p in feeds
+        ]
+        cycles = [
+            c for n, plain in self._plans() for span in self.spans for c in self._constrained_calls(span, n, plain)
+        ]
+        return extends + cycles
+
+    def _plans(self) -> list[tuple[int, bool]]:
+        """(rows, plain) of every cycle the engine can run: each envelope's, and with per-row settings (a server,
+        whose rows may ask for plain decoding) their plain cycles too (elsewhere compiled on first use)."""
+        drafting = [n for n in sorted(self.envelope) if self.per_row and self.envelope[n] != PLAIN]
+        return [(n, False) for n in sorted(self.envelope)] + [(n, True) for n in drafting]
 
     def programs(self) -> list[str]:
         """The names of the compiled set."""

@@ -130,9 +130,10 @@ _COMPILED_LOCK = threading.Lock()
 
 def _shape(x: Any) -> jax.ShapeDtypeStruct:
     """An argument's shape, dtype and placement (none for one device's: jit moves those where they are needed)."""
-    if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype if isinstance(x, jax.Array) else np.asarray(x).dtype)
+    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):  # a shape from `jax.eval_shape` is placed as its array is
+        placed = x.sharding is not None and len(x.sharding.device_set) > 1
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if placed else None)
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
 
 
 def _program(fn: Any, args: tuple, static: dict) -> tuple:

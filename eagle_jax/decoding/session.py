@@ -52,11 +52,15 @@ class Session:
         chunks: Sequence[int] = CHUNKS,
         mesh: Mesh | None = None,
         stream: bool = True,
+        structured: bool = False,
     ):
+        """`structured`: its turns may follow grammars (`reply(grammar=)`), and the warm-up compiles their programs."""
         if mesh is not None and sharding.data_parallelism(mesh) > 1:  # the caches split over `tensor` alone
             raise EagleError("a conversation is one row: use a mesh with data=1 and fsdp=1 (e.g. tensor=N)")
         loop = not (stream and cfg.tree.drafts)  # a speculative answer streams cycle by cycle, else in loops
-        self.engine = engines.Engine(tparams, dparams, cfg, 1, capacity, chunks, loop=loop, mesh=mesh)
+        self.engine = engines.Engine(
+            tparams, dparams, cfg, 1, capacity, chunks, loop=loop, mesh=mesh, structured=structured
+        )
         self.capacity = capacity
         self.turns = 0
 

@@ -184,10 +184,12 @@ class Batcher:
         mesh: Mesh | None = None,
         logprobs: int = lps.MAX_TOP,
         prefix_tokens: int | None = None,
+        structured: bool = False,
     ):
         """`envelopes(n)`: the tree for n live rows (default `cfg.tree`, plain decoding unless it says otherwise);
         each request samples as it asks, and may ask for its tokens' logprobs with up to `logprobs` alternatives.
-        `prefix_tokens`: the prefix cache's budget (`Engine`)."""
+        `prefix_tokens`: the prefix cache's budget, `structured`: compile the programs of requests that follow
+        grammars in the warm-up (`Engine`)."""
         check_hosts(mesh)
         cfg = dataclasses.replace(cfg, logprobs=logprobs)
         self.engine = engines.Engine(
@@ -201,6 +203,7 @@ class Batcher:
             per_row=True,
             mesh=mesh,
             prefix_tokens=prefix_tokens,
+            structured=structured,
         )
         self.slots, self.capacity, self.max_queue = slots, capacity, max_queue
         self.multi_host = distributed.is_multi_host()
