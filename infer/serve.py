@@ -135,14 +135,20 @@ def _main(argv: Sequence[str] | None) -> int:
         prefix_tokens=prefix_tokens,
         structured=True,
     )
-    names = engine.programs()
+    later = engine.engine.structured_programs()
+    names = [n for n in engine.programs() if n not in later]
     started = time.perf_counter()
     engine.warm_up(wait=False)  # a request waits only for the programs its cycles run
-    log(f"warm-up: compiling {len(names)} programs in the background ({', '.join(names)})")
+    log(
+        f"warm-up: compiling {len(names)} programs in the background ({', '.join(names)}), then {len(later)} for "
+        "requests that follow grammars (structured output)"
+    )
 
     def compiled() -> None:
-        engine.engine.compiled.wait()
+        engine.engine.compiled.wait(names)
         log(f"warm-up: {len(names)} programs compiled in {time.perf_counter() - started:.1f} s")
+        engine.engine.compiled.wait(later)
+        log(f"warm-up: {len(later)} structured-output programs compiled in {time.perf_counter() - started:.1f} s")
 
     threading.Thread(target=compiled, daemon=True).start()
     size = prefix.blocks_for(prefix_tokens) * prefix.BLOCK * per_token / 2**20

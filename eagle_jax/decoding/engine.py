@@ -395,7 +395,7 @@ class Engine:
 
     def _calls(self) -> list[tuple[str, Any, tuple, dict]]:
         """Every program, in the order a first answer needs them: the smallest chunk and span first."""
-        feeds = [Piece(0, np.ones(c, np.int32), np.ones(c, np.int32), c, True) for c in sorted(self.chunks)]
+        feeds = self._feeds()
         extends = [
             (f"extend {p.n}", speculative.extend, self._feed({0: p}, {0: 1}, None, 0), {"cfg": self.cfg}) for p in feeds
         ]
@@ -403,13 +403,17 @@ class Engine:
         retiring = ("retire", retire, (self.state, np.zeros(self.slots, bool)), {})
         copies = [("copy in", prefix.copy_in, self._copy_in_args(0, [0], []), {})] if self.index else []
         copies += [("copy out", prefix.copy_out, self._copy_out_args(0, []), {})] if self.index else []
-        return [extends[0], cycles[0], *extends[1:], *cycles[1:], retiring, *copies, *self._structured_calls(feeds)]
+        return [extends[0], cycles[0], *extends[1:], *cycles[1:], retiring, *copies, *self._structured_calls()]
 
-    def _structured_calls(self, feeds: Sequence[Piece]) -> list[tuple[str, Any, tuple, dict]]:
+    def _feeds(self) -> list[Piece]:
+        """A whole prompt of each chunk size (what the warm-up compiles the extends for)."""
+        return [Piece(0, np.ones(c, np.int32), np.ones(c, np.int32), c, True) for c in sorted(self.chunks)]
+
+    def _structured_calls(self) -> list[tuple[str, Any, tuple, dict]]:
         """With `structured`, the programs of rows that follow grammars: masked extends and constrained cycles."""
         if not self.structured:
             return []
-        root = {0: grammars.everything((), self.cfg.tcfg.vocab_size)}
+        feeds, root = self._feeds(), {0: grammars.everything((), self.cfg.tcfg.vocab_size)}
         extends = [
             (
                 f"extend {p.n} masked",
@@ -433,6 +437,10 @@ class Engine:
     def programs(self) -> list[str]:
         """The names of the compiled set."""
         return [name for name, *_ in self._calls()]
+
+    def structured_programs(self) -> list[str]:
+        """The names of the compiled set's programs for rows that follow grammars (last in the warm-up)."""
+        return [name for name, *_ in self._structured_calls()]
 
     def warm_up(self, wait: bool = True, first: int | None = None) -> float:
         """Compile the programs the engine can run (the `first` few of them: `programs`), ahead of time on worker

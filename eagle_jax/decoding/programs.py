@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import os
 import threading
+from collections.abc import Collection
 from typing import Any
 
 import jax
@@ -210,9 +211,11 @@ class Precompiled:
             executable = self._ready[name] = self.submit(name, fn, *args, here=True, **static).result()
         return executable(*args)
 
-    def wait(self) -> None:
-        for program in self._programs.values():
-            _compile(program).result()
+    def wait(self, names: Collection[str] | None = None) -> None:
+        """Until the programs started (those of `names` only, when given) are compiled."""
+        for name, program in self._programs.items():
+            if names is None or name in names:
+                _compile(program).result()
 
     def cancel(self) -> int:
         """Drop the compilations not yet begun (a process that ends waits for those under way only; asked for
