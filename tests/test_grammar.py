@@ -229,7 +229,7 @@ def test_compiled_grammars_are_cached(demo):
 
 
 SAMPLED = grammar.Constraint.regex(r"(the [a-z]{2,6} ){30}")  # forced words; it cannot end within NEW tokens
-SLOTS, BATCHES, NEW = 64, 6, 8
+SLOTS, BATCHES, NEW = 64, 3, 8
 
 
 def _constrained_laws(demo, prompt, tokens: np.ndarray, sc: SamplingConfig) -> np.ndarray:
@@ -283,7 +283,7 @@ def _constrained_sample(demo, prompt, sc: SamplingConfig, monkeypatch):
 
 
 def test_constrained_sampling_keeps_the_restricted_law(demo, monkeypatch):
-    """384 rows of 8 tokens sampled under a regex with forced words, a dynamic tree and forced chains as context
+    """192 rows of 8 tokens sampled under a regex with forced words, a dynamic tree and forced chains as context
     candidates: every token follows the target's law restricted to the grammar (`_rank_test`) and drafts are
     accepted as often as that law says (`_draft_test`); the same tokens reject the law at temperature 0.7 (the
     control)."""
