@@ -289,12 +289,11 @@ class Engine:
         static = {"cfg": cfg, "span": span}
         if self._looped(n):
             return f"decode loop span {span}", speculative.run_span, state, static
-        idle = [s for s in range(self.slots) if s not in live]
-        rows = None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
+        rows = self._rows_of(live)
         return f"cycle {cfg.tree} rows {n} span {span}", speculative.cycle, (*state, rows), static
 
-    def _grammar_rows(self, live: Sequence[int]) -> np.ndarray | None:
-        """The rows a constrained cycle of the live ones computes (None: every slot): live, padded with idle ones."""
+    def _rows_of(self, live: Sequence[int]) -> np.ndarray | None:
+        """The rows a cycle of the live ones computes (None: every slot): live, padded with idle ones to a bucket."""
         n = self.bucket(len(live))
         idle = [s for s in range(self.slots) if s not in live]
         return None if n == self.slots else np.asarray(sorted([*live, *idle[: n - len(live)]]), np.int32)
@@ -303,7 +302,7 @@ class Engine:
         """One cycle of the live rows, some of which follow grammars: a plain step under the roots' masks, or the
         tree drafted (forced chains as its context candidates), masked node by node on the host, and verified
         (`plain`: with `tree.PLAIN`). `_constrained_calls` names the same programs for the warm-up."""
-        n, rows = self.bucket(len(live)), self._grammar_rows(live)
+        n, rows = self.bucket(len(live)), self._rows_of(live)
         cfg = self.cfg if plain else self.settings[n]
         static, params = {"cfg": cfg, "span": span}, (self.tparams, self.dparams)
         matchers = [self.rows[s].grammar for s in (range(self.slots) if rows is None else rows)]
@@ -344,7 +343,7 @@ class Engine:
     def _constrained_calls(self, span: int, n: int, plain: bool = False) -> list[tuple[str, Any, tuple, dict]]:
         """The programs `_constrained` runs for n live rows, on arguments shaped as it passes them (no row's
         grammar forcing anything): what the warm-up compiles for rows that follow grammars."""
-        rows = self._grammar_rows(range(n))
+        rows = self._rows_of(range(n))
         cfg, r = self.cfg if plain else self.settings[n], n if rows is not None else self.slots
         static, params = {"cfg": cfg, "span": span}, (self.tparams, self.dparams)
         vocab, tag = self.cfg.tcfg.vocab_size, f"{cfg.tree} rows {n} span {span}"
