@@ -397,7 +397,7 @@ def test_chat_keeps_history(golden_target, monkeypatch, capsys):
     replies = out.strip().splitlines()
     lines = err.strip().splitlines()
     assert len(replies) == 2 and len(lines) == 5, err  # banner, warm-up, note, two turn lines
-    assert lines[1].startswith("warm-up: compiling 8 programs (extend 32, cycle DynamicTree(total_tokens=16")
+    assert lines[1].startswith("warm-up: compiling 9 programs (extend 32, cycle DynamicTree(total_tokens=16")
     assert lines[2].startswith("note: the tokenizer has no chat template")
     assert "(0 kept in the cache)" in lines[3] and "(0 kept" not in lines[4]  # turn 2 prefills only what is new
     cfg, params = golden_target

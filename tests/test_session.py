@@ -1,5 +1,6 @@
 """Conversations kept on device: chunked prefill, caches across turns, no compilation after warm-up."""
 
+import itertools
 import threading
 
 import jax
@@ -32,6 +33,19 @@ def test_chunk_plan():
     assert engines.chunk_plan(600, (256, 32)) == [256, 256, 32, 32, 32]
     assert engines.chunk_plan(200, (256,)) == [256]
     assert sum(engines.chunk_plan(1000, (64, 8))) >= 1000
+    # a call costs CALL_COST (32) positions: a middle size spares calls where the small one would need several
+    assert engines.chunk_plan(40, (256, 128, 32)) == [32, 32]  # 128 + 64 against 160 for one 128
+    assert engines.chunk_plan(100, (256, 128, 32)) == [128]  # 160 against 256 for four 32s
+    assert engines.chunk_plan(600, (256, 128, 32)) == [256, 256, 128]
+    counts = list(itertools.product(range(4), range(7), range(24)))  # of 256, 128 and 32: every plan up to 768
+    for n in range(1, 700):  # no plan covers n for less
+        plan = engines.chunk_plan(n, (256, 128, 32))
+        least = min(
+            (a + b + c) * engines.CALL_COST + 256 * a + 128 * b + 32 * c
+            for a, b, c in counts
+            if 256 * a + 128 * b + 32 * c >= n
+        )
+        assert sum(plan) >= n and len(plan) * engines.CALL_COST + sum(plan) == least, n
 
 
 def test_common_prefix():
@@ -138,7 +152,7 @@ def test_nothing_compiles_after_warm_up(pair, compiles, tree):
     """Prompts from 10 to 1900 tokens and several turns each run only the warmed programs."""
     tparams, tcfg, dparams, dcfg = pair
     talk = session.Session(tparams, dparams, speculative.DecodeConfig(tcfg, dcfg, tree), capacity=2048)
-    assert len(talk.programs()) == len(session.CHUNKS) + len(talk.spans) + 1 == 2 + 5 + 1  # and retire
+    assert len(talk.programs()) == len(session.CHUNKS) + len(talk.spans) + 1 == 3 + 5 + 1  # and retire
     talk.warm_up()
     before = len(compiles)
     jax.jit(lambda x: x * 3 + 1)(np.float32(2))  # a new program: the listener sees compilations

@@ -51,20 +51,20 @@ from eagle_jax.decoding.tree import PLAIN, Tree, TreeConfig
 from eagle_jax.errors import EagleError
 from eagle_jax.parallel import distributed, sharding
 
-CHUNKS = (256, 32)  # prefill chunk sizes: long prompts in large chunks, a turn's few new tokens in a small one
+CHUNKS = (256, 128, 32)  # prefill chunk sizes: long prompts in large chunks, a turn's few new tokens in a small one
+CALL_COST = 32  # a call's fixed cost (reading every weight), in the positions it could compute instead
 STATIC_SAMPLING = SamplingConfig()  # the static rule of rows with per-row controls: one value, one program per shape
 
 
 def chunk_plan(length: int, chunks: Sequence[int] = CHUNKS) -> list[int]:
-    """Chunk sizes that cover `length` new tokens: the largest size that the rest fills, else the smallest
-    size that holds it."""
-    sizes = sorted(chunks, reverse=True)
-    plan, left = [], length
-    while left > 0:
-        size = next((s for s in sizes if s <= left), None) or min(s for s in sizes if s >= left)
-        plan.append(size)
-        left -= size
-    return plan
+    """Chunk sizes, largest first, that cover `length` new tokens at the least cost: the positions they compute
+    (padding included) and `CALL_COST` for each call. Whole largest chunks cover all but the last of them."""
+    largest = max(chunks)
+    whole, rest = divmod(length, largest)
+    best: list[tuple[int, list[int]]] = [(0, [])]  # [rest + 1] (cost, plan) covering n tokens
+    for n in range(1, rest + 1):
+        best.append(min((best[max(0, n - s)][0] + CALL_COST + s, [s, *best[max(0, n - s)][1]]) for s in chunks))
+    return [largest] * whole + sorted(best[rest][1], reverse=True)
 
 
 @dataclasses.dataclass(frozen=True)
