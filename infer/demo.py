@@ -27,6 +27,7 @@ from eagle_jax.io import loading
 
 ROUNDS = 2  # timed runs per mode and case
 CAPACITY = 512  # one cache for every case: the programs compile once, before the clock starts
+CHUNKS = (128, 32)  # the cases' prompts are short: two prefill sizes to compile, each prompt fed in one or two calls
 FALLBACK = NoDraft(7, 2)  # context drafts, when no measured budget speculates here
 TYPOS = (
     "Maria Lopez joinned Northwind Labs in March 2019 as a data analist. In 2021 she moved to Berlin to lead the "
@@ -159,7 +160,9 @@ def _main(argv: Sequence[str] | None) -> int:
     said = f" ({why}: the demo shows them anyway)" if why else " (the head's measured budget for one row here)"
     print(f"demo: {generation.pair_name(m, tree)}{said}; greedy, against plain decoding", flush=True)
     spec, plain = (
-        session.Session(m.tparams, m.dparams, DecodeConfig(m.tcfg, m.dcfg, t), CAPACITY, stream=False, structured=True)
+        session.Session(
+            m.tparams, m.dparams, DecodeConfig(m.tcfg, m.dcfg, t), CAPACITY, CHUNKS, stream=False, structured=True
+        )
         for t in (tree, PLAIN)
     )
     names = len(spec.programs()) + len(plain.programs())
