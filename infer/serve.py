@@ -150,7 +150,8 @@ def _main(argv: Sequence[str] | None) -> int:
         engine.engine.compiled.wait(later)
         log(f"warm-up: {len(later)} structured-output programs compiled in {time.perf_counter() - started:.1f} s")
 
-    threading.Thread(target=compiled, daemon=True).start()
+    logger = threading.Thread(target=compiled, daemon=True)
+    logger.start()
     size = prefix.blocks_for(prefix_tokens) * prefix.BLOCK * per_token / 2**20
     log(
         f"prefix cache: {prefix_tokens} tokens ({per_token} bytes each, {size:.0f} MiB), shared by the requests to "
@@ -162,7 +163,8 @@ def _main(argv: Sequence[str] | None) -> int:
         log(f"  up to {n} live row{'s' if n > 1 else ''}: {envelope_name(tree)}")
     if jax.process_index() > 0:  # a multi-host server answers on process 0; the others decode in step with it
         log(f"process {jax.process_index()} of {jax.process_count()}: following process 0's engine")
-        engine.follow()
+        engine.follow()  # returns once its compilations are done
+        logger.join()  # which it logs
         st = engine.stats
         log(f"followed {st.cycles} cycles: {st.row_cycles} row cycles, {st.generated_tokens} tokens")
         return 0

@@ -568,14 +568,16 @@ def test_admission_counts_free_slots_and_refuses_before_the_response(served, mon
     """With no queue, an idle server takes as many requests as it has slots; the next one, streaming or not, gets
     a 429 with Retry-After before its response starts (never a 200 stream that is then cut)."""
     url, engine, models, _ = served
+    assert wait_idle(engine, 30)  # idle: no row of an earlier test holds a slot
     monkeypatch.setattr(engine, "max_queue", 0)
-    slow_cycles(monkeypatch, engine, 0.1)
+    slow_cycles(monkeypatch, engine, 0.25)  # a row's 60 tokens take seconds: the four run at once on a busy machine
     long = [QUESTIONS[i] for i in (1, 2, 6, 7)]  # answers longer than 60 tokens: every row stays busy
     with concurrent.futures.ThreadPoolExecutor(SLOTS) as pool:
         jobs = [pool.submit(ask, url, q, 60, i % 2 == 0, temperature=0) for i, q in enumerate(long)]
         deadline = time.time() + 30
         while engine.live < SLOTS and time.time() < deadline:
             time.sleep(0.01)
+        assert engine.live == SLOTS, "the four long answers never ran at once"
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
         for stream in (True, False):
             with httpx.stream("POST", f"{url}/v1/chat/completions", json=body | {"stream": stream}) as r:

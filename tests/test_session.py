@@ -48,6 +48,14 @@ def test_chunk_plan():
         assert sum(plan) >= n and len(plan) * engines.CALL_COST + sum(plan) == least, n
 
 
+def test_no_chunk_is_longer_than_the_cache(pair):
+    """An engine compiles prefill chunks up to its capacity (the smallest chunk where every one is longer)."""
+    tparams, tcfg, dparams, dcfg = pair
+    cfg = speculative.DecodeConfig(tcfg, dcfg, TREE)
+    assert engines.Engine(tparams, dparams, cfg, 1, 200).chunks == (128, 32)
+    assert engines.Engine(tparams, dparams, cfg, 1, 16, (64, 32)).chunks == (32,)
+
+
 def test_common_prefix():
     assert engines.common_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
     assert engines.common_prefix([1, 2], [1, 2, 3]) == 2

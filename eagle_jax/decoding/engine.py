@@ -216,7 +216,8 @@ class Engine:
         sampling = STATIC_SAMPLING if per_row else cfg.sampling
         self.cfg = DecodeConfig(tcfg, dcfg, PLAIN, sampling, cfg.logprobs)  # what `extend` runs with (no tree)
         self.settings = {n: dataclasses.replace(self.cfg, tree=t) for n, t in self.envelope.items()}
-        self.slots, self.capacity, self.chunks = slots, capacity, tuple(chunks)
+        self.slots, self.capacity = slots, capacity
+        self.chunks = tuple(c for c in chunks if c <= capacity) or (min(chunks),)  # none longer than the cache
         self.per_row, self.loop, self.mesh, self.structured = per_row, loop, mesh, structured
         self.overhead = max(t.cache_overhead for t in self.envelope.values())
         if mesh is not None:

@@ -397,7 +397,7 @@ class Batcher:
         """A multi-host server's processes but the first: carry out process 0's plans until it stops."""
         while (message := distributed.broadcast(None)) is not None:
             self.apply(SlotChanges.from_bytes(message))
-        jax.distributed.shutdown()  # together with process 0's engine
+        self.leave()  # together with process 0's engine
 
     def run(self) -> None:
         """The engine loop (runs until `stop` or the engine's death; idle, it steps every half second, which keeps
@@ -409,7 +409,13 @@ class Batcher:
                         self.wake.wait(timeout=0.5)
         if self.multi_host:
             distributed.broadcast(None)  # the other processes stop following
-            jax.distributed.shutdown()  # with theirs (a barrier): whatever ends this process next, they exit cleanly
+            self.leave()  # with theirs (a barrier): whatever ends this process next, they exit cleanly
+
+    def leave(self) -> None:
+        """A multi-host process's end: once its compilations are done (one still under way when the process exits
+        aborts it), its distributed runtime shuts down with the other processes' (a barrier)."""
+        self.engine.compiled.wait()
+        jax.distributed.shutdown()
 
     def start(self) -> None:
         self.running = True
