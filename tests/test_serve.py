@@ -569,6 +569,7 @@ def test_admission_counts_free_slots_and_refuses_before_the_response(served, mon
     a 429 with Retry-After before its response starts (never a 200 stream that is then cut)."""
     url, engine, models, _ = served
     assert wait_idle(engine, 30)  # idle: no row of an earlier test holds a slot
+    engine.engine.compiled.wait()  # every program compiled (the tests' conftest may have let go of some since)
     monkeypatch.setattr(engine, "max_queue", 0)
     slow_cycles(monkeypatch, engine, 0.25)  # a row's 60 tokens take seconds: the four run at once on a busy machine
     long = [QUESTIONS[i] for i in (1, 2, 6, 7)]  # answers longer than 60 tokens: every row stays busy
