@@ -88,6 +88,29 @@ def test_admission_refuses_exactly_at_the_free_slots_and_the_queues_room(golden_
     assert answers[3].tokens == answers[0].tokens and answers[3].finish == ["length"]
 
 
+def test_a_failing_admission_gives_its_slot_back(golden_target, monkeypatch):
+    """A request whose admission fails ends with an error and no longer holds a slot: with no queue, both slots take
+    new requests (a claim it kept would refuse one of them for good)."""
+    engine = plain_batcher(golden_target, slots=2, capacity=128, max_queue=0)
+    failed = Answer()
+    engine.submit(failed.request(PROMPTS[0], 10))
+    admit = engine.engine.admit
+
+    def failing(slot, prompt, *args, owner=None, **kw):
+        raise EngineError("the engine failed (RuntimeError: injected)", [owner])
+
+    monkeypatch.setattr(engine.engine, "admit", failing)
+    engine.step()
+    assert failed.finish == ["error"] and engine.live == 0 and engine.claimed == 0
+    monkeypatch.setattr(engine.engine, "admit", admit)
+    answers = [Answer(), Answer()]
+    for a, prompt in zip(answers, PROMPTS):
+        engine.submit(a.request(prompt, 10))  # QueueFull for the second with a kept claim
+    while engine.step():
+        pass
+    assert [a.finish for a in answers] == [["length"], ["length"]]
+
+
 def test_a_failing_cycle_ends_its_rows_with_an_error_and_the_queue_runs_on_rebuilt_rows(golden_target, monkeypatch):
     tcfg, tparams = golden_target
     Failing(monkeypatch, {2})

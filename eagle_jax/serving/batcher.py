@@ -326,19 +326,21 @@ class Batcher:
             for a in plan.admit:
                 req = pending.pop(0)
                 wants = req.on_logprobs is not None
-                kept = self.engine.admit(
-                    a.slot,
-                    req.prompt,
-                    req.max_tokens,
-                    req.sampling,
-                    req.seed,
-                    owner=req,
-                    logprobs=wants,
-                    plain=not req.speculate,
-                    grammar=req.grammar,
-                )
-                with self.wake:
-                    self.claimed = max(0, self.claimed - 1)  # now a live row (followers claim nothing)
+                try:
+                    kept = self.engine.admit(
+                        a.slot,
+                        req.prompt,
+                        req.max_tokens,
+                        req.sampling,
+                        req.seed,
+                        owner=req,
+                        logprobs=wants,
+                        plain=not req.speculate,
+                        grammar=req.grammar,
+                    )
+                finally:  # a live row now, or one the failure ends (its slot's owner): no longer claimed
+                    with self.wake:
+                        self.claimed = max(0, self.claimed - 1)  # (followers claim nothing)
                 self.stats.prompt_tokens += len(req.prompt)
                 self.stats.kept_tokens += kept
                 req.cached = kept
